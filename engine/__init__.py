@@ -1,0 +1,1 @@
+"""Turnstile's engine: trajectories, encoding, backends, environments and the turn loop."""

@@ -1,0 +1,96 @@
+"""The backend protocol: what the turn loop asks of an inference server.
+
+SGLang's HTTP API is the reference (`/generate`, `/abort_request`, `/pause_generation`,
+`/continue_generation`, `/get_weight_version`, `/health`); the local backend gives the same
+semantics in process. Failures are raised as `engine.errors.BackendError`, classified.
+
+    async with SGLangBackend("http://127.0.0.1:30000") as backend:
+        result = await backend.generate(prompt_ids, SamplingParams(max_new_tokens=256, stop_token_ids=(151645,)))
+        result.token_ids, result.logprobs, result.finish_reason   # finish_reason: stop | length | abort
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Per-request sampling, with SGLang's field names. `temperature=0` is greedy."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise ValueError(f"bad sampling params: temperature={self.temperature}, top_p={self.top_p}")
+
+    def to_sglang(self) -> dict[str, Any]:
+        params: dict[str, Any] = {
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "skip_special_tokens": self.skip_special_tokens,
+        }
+        if self.stop_token_ids:
+            params["stop_token_ids"] = list(self.stop_token_ids)
+        if self.stop:
+            params["stop"] = list(self.stop)
+        return params
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateResult:
+    """One generation. `token_ids` include the stop token when one was produced."""
+
+    token_ids: list[int]
+    logprobs: list[float]  # log-prob of each token in token_ids under the sampling distribution
+    text: str
+    finish_reason: FinishReason
+    weight_version: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Backend(Protocol):
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        sampling_params: SamplingParams,
+        image_data: Sequence[str] | None = None,
+        *,
+        rid: str | None = None,
+    ) -> GenerateResult:
+        """Generate from `input_ids` (images, if any, in `image_data`). `rid` names the request for abort."""
+        ...
+
+    async def abort(self, rid: str | None = None) -> None:
+        """Abort one request, or every request when `rid` is None. Aborted requests return what they
+        generated so far with finish_reason `abort`."""
+        ...
+
+    async def pause(self) -> None:
+        """Stop generating (for a weight update); requests in flight wait until `resume`."""
+        ...
+
+    async def resume(self) -> None: ...
+
+    async def weight_version(self) -> str | None: ...
+
+    async def health(self) -> bool: ...
+
+    async def aclose(self) -> None: ...

@@ -1,0 +1,164 @@
+"""Environments: slime's interaction-env contract, an async variant, and the runner the turn loop uses.
+
+A user env is what slime's multi-turn examples load (so those envs load unchanged):
+
+    class MyEnv(BaseInteractionEnv):
+        def reset(self): return {}, {}
+        def step(self, response_text): return {"obs_str": "try again"}, False, {}
+
+    def build_env(sample=None, args=None, **kw): return MyEnv()
+
+`step` returns `(observation, done, info)`; `format_observation(observation)` turns an observation
+into the next chat message, images from `observation["multi_modal_data"]`. An env may instead
+subclass `AsyncInteractionEnv` and define `async astep`. A sync `step` runs in a worker thread
+under a timeout, so a blocking env (a subprocess, a sandbox call) never stalls the event loop.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+
+from engine.errors import EnvError, EnvRetryableError, ErrorClass
+
+
+class BaseInteractionEnv:
+    """slime's interaction-env contract."""
+
+    # Set True when `reset()` followed by replaying the earlier responses rebuilds the same state,
+    # so a failed step may be retried on a fresh env.
+    replay_safe: bool = False
+
+    def reset(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        raise NotImplementedError
+
+    def step(self, response_text: str) -> tuple[dict[str, Any], bool, dict[str, Any]]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+    def format_observation(self, observation: dict[str, Any]) -> dict[str, Any]:
+        return default_format_observation(observation)
+
+
+class AsyncInteractionEnv(BaseInteractionEnv):
+    """An env whose steps are coroutines (an HTTP tool, a remote sandbox). Define `astep`."""
+
+    async def areset(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        return self.reset()
+
+    async def astep(self, response_text: str) -> tuple[dict[str, Any], bool, dict[str, Any]]:
+        raise NotImplementedError
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def reset(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        return {}, {}
+
+
+def default_format_observation(observation: dict[str, Any] | None) -> dict[str, Any]:
+    """A user message: every image in `multi_modal_data`, then the text in `obs_str`."""
+    observation = observation or {}
+    content: list[dict[str, Any]] = [
+        {"type": "image", "image": image}
+        for images in (observation.get("multi_modal_data") or {}).values()
+        for image in images
+    ]
+    content.append({"type": "text", "text": observation.get("obs_str", "")})
+    return {"role": "user", "content": content}
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    observation: dict[str, Any]
+    done: bool
+    info: dict[str, Any]
+
+
+class EnvRunner:
+    """Drives one env object for the turn loop and classifies what goes wrong.
+
+    Every failure surfaces as `EnvError`: ENV_TIMEOUT past `step_timeout`, ENV_RETRYABLE when the
+    env raised `EnvRetryableError`, ENV_EXCEPTION for anything else (a bad return shape included).
+    """
+
+    def __init__(
+        self,
+        env: Any,
+        *,
+        format_observation: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+        step_timeout: float | None = None,
+        name: str | None = None,
+    ):
+        if not callable(getattr(env, "step", None)) and not callable(getattr(env, "astep", None)):
+            raise TypeError(f"env {type(env).__name__} has neither step() nor astep()")
+        self.env = env
+        self.name = name or type(env).__name__
+        self.step_timeout = step_timeout
+        self._format = format_observation or getattr(env, "format_observation", None) or default_format_observation
+
+    @property
+    def replay_safe(self) -> bool:
+        return bool(getattr(self.env, "replay_safe", False))
+
+    async def reset(self) -> dict[str, Any]:
+        """Reset the env; returns its initial observation (often empty)."""
+        result = await self._call("reset")
+        observation = result[0] if isinstance(result, tuple) and result else result
+        return observation if isinstance(observation, dict) else {}
+
+    async def step(self, response_text: str) -> StepResult:
+        result = await self._call("step", response_text)
+        if not (isinstance(result, tuple) and len(result) == 3 and isinstance(result[0], dict | None)):
+            raise EnvError(
+                ErrorClass.ENV_EXCEPTION,
+                f"env {self.name}.step returned {_short(result)}, expected (observation: dict, done: bool, info: dict)",
+            )
+        observation, done, info = result
+        return StepResult(observation or {}, bool(done), info if isinstance(info, dict) else {})
+
+    def message(self, observation: dict[str, Any]) -> dict[str, Any]:
+        """The chat message for an observation, by the env's (or its module's) format_observation."""
+        try:
+            message = self._format(observation)
+        except Exception as exc:
+            raise EnvError(ErrorClass.ENV_EXCEPTION, f"env {self.name}.format_observation raised {exc!r}") from exc
+        if not (isinstance(message, dict) and "role" in message and "content" in message):
+            raise EnvError(
+                ErrorClass.ENV_EXCEPTION,
+                f"env {self.name}.format_observation returned {_short(message)}, expected a chat message dict",
+            )
+        return message
+
+    async def close(self, timeout: float = 10.0) -> None:
+        """Close the env, shielded from cancellation and bounded by `timeout`. Raises EnvError."""
+        with anyio.move_on_after(timeout, shield=True):
+            await self._call("close")
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        async_fn = getattr(self.env, f"a{method}", None)
+        sync_fn = getattr(self.env, method, None)
+        try:
+            with anyio.fail_after(self.step_timeout if method == "step" else None):
+                if inspect.iscoroutinefunction(async_fn):
+                    return await async_fn(*args)
+                if sync_fn is None:
+                    return None
+                return await anyio.to_thread.run_sync(sync_fn, *args, abandon_on_cancel=True)
+        except TimeoutError as exc:
+            raise EnvError(ErrorClass.ENV_TIMEOUT, f"env {self.name}.{method} timed out after {self.step_timeout}s") from exc
+        except EnvRetryableError as exc:
+            raise EnvError(ErrorClass.ENV_RETRYABLE, f"env {self.name}.{method} asked for a retry: {exc}") from exc
+        except Exception as exc:
+            raise EnvError(ErrorClass.ENV_EXCEPTION, f"env {self.name}.{method} raised {exc!r}") from exc
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."

@@ -1,0 +1,87 @@
+"""Errors as data: every failure of a turn is classified, so retry budgets and counters can act on it.
+
+A `TurnError` is raised by a backend or an env wrapper; what travels on the trajectory is its frozen
+`ErrorRecord`. The classes follow DESIGN.md's retry section.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class Stage(StrEnum):
+    BACKEND = "backend"
+    ENV = "env"
+    ENCODE = "encode"
+
+
+class ErrorClass(StrEnum):
+    # backend
+    CONNECTION = "connection"  # refused, reset, DNS: retryable
+    SERVER = "server"  # HTTP 5xx: retryable
+    TIMEOUT = "timeout"  # backend request timed out: retryable
+    CLIENT = "client"  # HTTP 4xx: the request is wrong, retrying cannot help
+    MALFORMED = "malformed"  # a reply that is not in the server's documented shape
+    # env
+    ENV_TIMEOUT = "env_timeout"
+    ENV_EXCEPTION = "env_exception"
+    ENV_RETRYABLE = "env_retryable"  # the env said so (raised EnvRetryableError)
+    # encoding of an observation (an image that does not decode, a template that fails)
+    BAD_OBSERVATION = "bad_observation"
+
+
+RETRYABLE = frozenset(
+    {ErrorClass.CONNECTION, ErrorClass.SERVER, ErrorClass.TIMEOUT, ErrorClass.ENV_TIMEOUT, ErrorClass.ENV_RETRYABLE}
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorRecord:
+    """One failure, as it is stored on a trajectory and counted."""
+
+    error_class: ErrorClass
+    stage: Stage
+    message: str
+    turn: int
+
+    @property
+    def retryable(self) -> bool:
+        return self.error_class in RETRYABLE
+
+
+class TurnError(Exception):
+    """A classified failure of one turn. `message` names the thing at fault."""
+
+    stage: Stage = Stage.BACKEND
+
+    def __init__(self, error_class: ErrorClass, message: str):
+        super().__init__(message)
+        self.error_class = error_class
+        self.message = message
+
+    @property
+    def retryable(self) -> bool:
+        return self.error_class in RETRYABLE
+
+    def record(self, turn: int) -> ErrorRecord:
+        return ErrorRecord(self.error_class, self.stage, self.message, turn)
+
+
+class BackendError(TurnError):
+    stage = Stage.BACKEND
+
+
+class EnvError(TurnError):
+    stage = Stage.ENV
+
+
+class ObservationError(TurnError):
+    stage = Stage.ENCODE
+
+    def __init__(self, message: str):
+        super().__init__(ErrorClass.BAD_OBSERVATION, message)
+
+
+class EnvRetryableError(Exception):
+    """Raise from an env's `step` to say: this failure is transient, the same step may be tried again."""

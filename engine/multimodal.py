@@ -1,0 +1,108 @@
+"""Images on both sides of a rollout.
+
+Rollout side: `image_payload` turns an image into what SGLang's `/generate` takes in `image_data`
+(a `data:image/png;base64,...` string, as slime sends it). Training side: a `TrainInputBuffer`
+collects each turn's processor outputs (`pixel_values`, `image_grid_thw`, ...) and merges them once
+at the end, one `torch.cat` per key, instead of re-concatenating the growing tensors every turn.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image, UnidentifiedImageError
+
+from engine.errors import ObservationError
+
+# Processor outputs that are per token of the text, not per image: they are rebuilt from the token
+# ids by the trainer and are never part of the train inputs.
+PER_TOKEN_KEYS = frozenset({"input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids"})
+
+
+def load_image(source: Any, *, what: str = "image") -> Image.Image:
+    """An RGB PIL image from a PIL image, raw bytes, a file path, or a (data-URL) base64 string.
+
+    Raises ObservationError naming `what` and the reason when the source does not decode.
+    """
+    if isinstance(source, Image.Image):
+        image = source
+    else:
+        try:
+            image = Image.open(io.BytesIO(_image_bytes(source)))
+            image.load()
+        except (OSError, ValueError, binascii.Error, UnidentifiedImageError) as exc:
+            raise ObservationError(f"{what} does not decode ({_describe(source)}): {exc}") from exc
+    return image if image.mode == "RGB" else image.convert("RGB")
+
+
+def image_payload(image: Image.Image) -> str:
+    """The `image_data` entry SGLang takes for one image: a PNG as a base64 data URL."""
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def _image_bytes(source: Any) -> bytes:
+    if isinstance(source, (bytes, bytearray)):
+        return bytes(source)
+    if isinstance(source, Path):
+        return source.read_bytes()
+    if not isinstance(source, str):
+        raise ValueError(f"unsupported image type {type(source).__name__}")
+    if source.startswith("data:"):
+        _, _, data = source.partition(",")
+        return base64.b64decode(data, validate=True)
+    if len(source) < 1024 and Path(source).is_file():
+        return Path(source).read_bytes()
+    return base64.b64decode(source, validate=True)
+
+
+def _describe(source: Any) -> str:
+    text = repr(source) if not isinstance(source, (bytes, bytearray)) else f"{len(source)} bytes"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+class TrainInputBuffer:
+    """Per-turn processor outputs, merged once at the end.
+
+    Merge rule per key: tensors are concatenated along dim 0 (one `torch.cat`); lists and tuples
+    are concatenated; any other value must be equal in every turn that has the key and is kept
+    once (a mismatch is an error naming the key). Keys in PER_TOKEN_KEYS are never collected.
+    """
+
+    __slots__ = ("_parts",)
+
+    def __init__(self) -> None:
+        self._parts: dict[str, list[Any]] = {}
+
+    def add(self, inputs: dict[str, Any] | None) -> None:
+        for key, value in (inputs or {}).items():
+            if value is not None and key not in PER_TOKEN_KEYS:
+                self._parts.setdefault(key, []).append(value)
+
+    def __len__(self) -> int:
+        return max((len(v) for v in self._parts.values()), default=0)
+
+    def merge(self) -> dict[str, Any] | None:
+        """The merged train inputs, or None when no turn had any."""
+        if not self._parts:
+            return None
+        return {key: _merge_values(key, values) for key, values in self._parts.items()}
+
+
+def _merge_values(key: str, values: list[Any]) -> Any:
+    first = values[0]
+    if isinstance(first, torch.Tensor):
+        if not all(isinstance(v, torch.Tensor) for v in values):
+            raise TypeError(f"train input {key!r}: tensors mixed with other values")
+        return first if len(values) == 1 else torch.cat(values, dim=0)
+    if isinstance(first, (list, tuple)):
+        return [item for value in values for item in value]
+    if any(v != first for v in values[1:]):
+        raise ValueError(f"train input {key!r}: turns disagree on a non-tensor value ({values!r:.200})")
+    return first

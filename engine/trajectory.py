@@ -1,0 +1,202 @@
+"""One sample of a multi-turn rollout: its tokens, per-token mask and log-probs, and its turns.
+
+Tokens, log-probs and the loss mask are stored as compact `array.array`s (int32, float32, uint8:
+9 bytes per response token) and converted to Python lists only at the edges (`to_record`).
+Invariant at every turn boundary (`check_invariant`):
+
+    len(loss_mask) == len(logprobs) == len(tokens) - prompt_length
+
+Status changes go through `transition`, the one writer, which refuses illegal edges.
+"""
+
+from __future__ import annotations
+
+import itertools
+from array import array
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from engine.errors import ErrorRecord
+from engine.multimodal import TrainInputBuffer
+
+
+class Status(StrEnum):
+    PENDING = "pending"
+    RUNNING = "running"
+    PAUSED = "paused"
+    COMPLETED = "completed"
+    TRUNCATED = "truncated"
+    ABORTED = "aborted"
+    FAILED = "failed"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in _TERMINAL
+
+
+class StopReason(StrEnum):
+    ENV_DONE = "env_done"
+    MAX_TURNS = "max_turns"
+    TOKEN_BUDGET = "token_budget"
+    LENGTH = "length"
+    ABORTED = "aborted"
+    ENV_ERROR = "env_error"
+    BACKEND_ERROR = "backend_error"
+
+
+_TERMINAL = frozenset({Status.COMPLETED, Status.TRUNCATED, Status.ABORTED, Status.FAILED})
+_LEGAL_EDGES = {
+    Status.PENDING: frozenset({Status.RUNNING, Status.ABORTED, Status.FAILED}),
+    Status.RUNNING: frozenset({Status.PAUSED} | _TERMINAL),
+    Status.PAUSED: frozenset({Status.RUNNING, Status.ABORTED, Status.FAILED}),
+}
+# The status each stop reason ends a trajectory in.
+END_STATUS = {
+    StopReason.ENV_DONE: Status.COMPLETED,
+    StopReason.MAX_TURNS: Status.COMPLETED,
+    StopReason.TOKEN_BUDGET: Status.TRUNCATED,
+    StopReason.LENGTH: Status.TRUNCATED,
+    StopReason.ABORTED: Status.ABORTED,
+    StopReason.ENV_ERROR: Status.FAILED,
+    StopReason.BACKEND_ERROR: Status.FAILED,
+}
+
+_ids = itertools.count()
+
+
+@dataclass(slots=True)
+class Turn:
+    """What one turn did. `start` is the offset of its generated tokens in the response."""
+
+    index: int
+    start: int
+    num_generated: int = 0
+    num_observation: int = 0
+    generate_seconds: float = 0.0
+    env_seconds: float = 0.0
+    queue_seconds: float = 0.0
+    retries: int = 0
+    finish_reason: str | None = None
+    weight_version: str | None = None
+
+    def to_record(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+
+@dataclass(slots=True, eq=False)
+class Trajectory:
+    prompt: list[dict[str, Any]]  # the chat messages the prompt tokens were rendered from
+    tokens: array = field(default_factory=lambda: array("i"))  # prompt + response, int32
+    prompt_length: int = 0
+    loss_mask: array = field(default_factory=lambda: array("B"))  # per response token: 1 model, 0 env
+    logprobs: array = field(default_factory=lambda: array("f"))  # per response token; 0.0 for env tokens
+    status: Status = Status.PENDING
+    stop_reason: StopReason | None = None
+    turns: list[Turn] = field(default_factory=list)
+    weight_versions: list[str] = field(default_factory=list)  # one per generate call, as slime keeps them
+    image_data: list[str] = field(default_factory=list)  # rollout side: every image so far, for the backend
+    train_inputs: TrainInputBuffer = field(default_factory=TrainInputBuffer)  # training side, merged once
+    errors: list[ErrorRecord] = field(default_factory=list)
+    group_id: int = 0
+    index: int = 0
+    reward: float | dict[str, float] | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    id: int = field(default_factory=lambda: next(_ids))
+
+    # -- building ---------------------------------------------------------------------------------
+    def set_prompt(self, token_ids: Sequence[int]) -> None:
+        if len(self.tokens):
+            raise ValueError(f"trajectory {self.id}: the prompt is already set")
+        self.tokens.extend(token_ids)
+        self.prompt_length = len(self.tokens)
+
+    def append_generation(self, token_ids: Sequence[int], logprobs: Sequence[float]) -> None:
+        """The model's tokens: loss mask 1, with their log-probs."""
+        if len(token_ids) != len(logprobs):
+            raise ValueError(f"trajectory {self.id}: {len(token_ids)} tokens but {len(logprobs)} log-probs")
+        self.tokens.extend(token_ids)
+        self.logprobs.extend(logprobs)
+        self.loss_mask.extend(itertools.repeat(1, len(token_ids)))
+
+    def append_observation(self, token_ids: Sequence[int]) -> None:
+        """Environment tokens: loss mask 0, log-prob 0.0."""
+        self.tokens.extend(token_ids)
+        self.logprobs.extend(itertools.repeat(0.0, len(token_ids)))
+        self.loss_mask.extend(itertools.repeat(0, len(token_ids)))
+
+    # -- state ------------------------------------------------------------------------------------
+    def transition(self, to: Status, stop_reason: StopReason | None = None) -> None:
+        """The one writer of `status`. A terminal status needs a stop reason; other edges take none."""
+        if to not in _LEGAL_EDGES.get(self.status, ()):
+            raise ValueError(f"trajectory {self.id}: illegal status change {self.status} -> {to}")
+        if to.is_terminal != (stop_reason is not None):
+            raise ValueError(f"trajectory {self.id}: {to} needs a stop reason exactly when it is terminal")
+        self.status = to
+        if stop_reason is not None:
+            self.stop_reason = stop_reason
+
+    def finish(self, stop_reason: StopReason) -> None:
+        self.transition(END_STATUS[stop_reason], stop_reason)
+
+    # -- views ------------------------------------------------------------------------------------
+    @property
+    def response_length(self) -> int:
+        return len(self.tokens) - self.prompt_length
+
+    @property
+    def response_ids(self) -> array:
+        return self.tokens[self.prompt_length :]
+
+    @property
+    def num_generated(self) -> int:
+        return sum(t.num_generated for t in self.turns)
+
+    def generated_ids(self, turn: Turn) -> array:
+        """The model's tokens of one turn."""
+        start = self.prompt_length + turn.start
+        return self.tokens[start : start + turn.num_generated]
+
+    def check_invariant(self) -> None:
+        n = self.response_length
+        if not (len(self.loss_mask) == len(self.logprobs) == n):
+            raise AssertionError(
+                f"trajectory {self.id}: loss_mask {len(self.loss_mask)}, logprobs {len(self.logprobs)}, "
+                f"response {n}"
+            )
+
+    def nbytes(self) -> int:
+        """Bytes held by the token, log-prob and mask arrays."""
+        return sum(a.itemsize * len(a) for a in (self.tokens, self.logprobs, self.loss_mask))
+
+    def to_record(self) -> dict[str, Any]:
+        """A JSON-ready dict: arrays become lists here, at the edge."""
+        return {
+            "id": self.id,
+            "group_id": self.group_id,
+            "index": self.index,
+            "status": str(self.status),
+            "stop_reason": None if self.stop_reason is None else str(self.stop_reason),
+            "reward": self.reward,
+            "prompt_length": self.prompt_length,
+            "response_length": self.response_length,
+            "tokens": self.tokens.tolist(),
+            "loss_mask": self.loss_mask.tolist(),
+            "logprobs": self.logprobs.tolist(),
+            "weight_versions": list(self.weight_versions),
+            "num_images": len(self.image_data),
+            "turns": [t.to_record() for t in self.turns],
+            "errors": [
+                {"class": str(e.error_class), "stage": str(e.stage), "turn": e.turn, "message": e.message}
+                for e in self.errors
+            ],
+            "metadata": self.metadata,
+        }
+
+
+def count_by_status(trajectories: Iterable[Trajectory]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for t in trajectories:
+        counts[t.status] = counts.get(t.status, 0) + 1
+    return counts
