@@ -29,6 +29,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     skip_special_tokens: bool = True
+    ignore_eos: bool = False  # keep generating past the tokenizer's EOS (benchmarks)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -44,6 +45,8 @@ class SamplingParams:
             "top_k": self.top_k,
             "skip_special_tokens": self.skip_special_tokens,
         }
+        if self.ignore_eos:
+            params["ignore_eos"] = True
         if self.stop_token_ids:
             params["stop_token_ids"] = list(self.stop_token_ids)
         if self.stop:
