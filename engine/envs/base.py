@@ -84,8 +84,9 @@ class StepResult:
 class EnvRunner:
     """Drives one env object for the turn loop and classifies what goes wrong.
 
-    Every failure surfaces as `EnvError`: ENV_TIMEOUT past `step_timeout`, ENV_RETRYABLE when the
-    env raised `EnvRetryableError`, ENV_EXCEPTION for anything else (a bad return shape included).
+    Every failure surfaces as `EnvError`: ENV_TIMEOUT when `reset` or `step` runs past
+    `step_timeout`, ENV_RETRYABLE when the env raised `EnvRetryableError`, ENV_EXCEPTION for anything
+    else (a bad return shape, or a TimeoutError the env raised itself, included).
     """
 
     def __init__(
@@ -94,6 +95,7 @@ class EnvRunner:
         *,
         format_observation: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
         step_timeout: float | None = None,
+        limiter: anyio.CapacityLimiter | None = None,
         name: str | None = None,
     ):
         if not callable(getattr(env, "step", None)) and not callable(getattr(env, "astep", None)):
@@ -101,6 +103,8 @@ class EnvRunner:
         self.env = env
         self.name = name or type(env).__name__
         self.step_timeout = step_timeout
+        self.limiter = limiter  # worker threads for sync envs; None: anyio's default (40 threads)
+        self.timed_out = False
         self._format = format_observation or getattr(env, "format_observation", None) or default_format_observation
 
     @property
@@ -142,21 +146,30 @@ class EnvRunner:
             await self._call("close")
 
     async def _call(self, method: str, *args: Any) -> Any:
+        """Call the env's `a<method>` coroutine if it has one, else `<method>` in a worker thread.
+
+        `reset` and `step` run under `step_timeout`. A sync call past it is abandoned: its thread
+        may still be running and touching the env, so `timed_out` is set and the env should not be
+        stepped again (retry on a fresh env)."""
         async_fn = getattr(self.env, f"a{method}", None)
         sync_fn = getattr(self.env, method, None)
-        try:
-            with anyio.fail_after(self.step_timeout if method == "step" else None):
+        result = None
+        with anyio.move_on_after(None if method == "close" else self.step_timeout) as scope:
+            try:
                 if inspect.iscoroutinefunction(async_fn):
-                    return await async_fn(*args)
-                if sync_fn is None:
-                    return None
-                return await anyio.to_thread.run_sync(sync_fn, *args, abandon_on_cancel=True)
-        except TimeoutError as exc:
-            raise EnvError(ErrorClass.ENV_TIMEOUT, f"env {self.name}.{method} timed out after {self.step_timeout}s") from exc
-        except EnvRetryableError as exc:
-            raise EnvError(ErrorClass.ENV_RETRYABLE, f"env {self.name}.{method} asked for a retry: {exc}") from exc
-        except Exception as exc:
-            raise EnvError(ErrorClass.ENV_EXCEPTION, f"env {self.name}.{method} raised {exc!r}") from exc
+                    result = await async_fn(*args)
+                elif sync_fn is not None:
+                    result = await anyio.to_thread.run_sync(
+                        sync_fn, *args, abandon_on_cancel=True, limiter=self.limiter
+                    )
+            except EnvRetryableError as exc:
+                raise EnvError(ErrorClass.ENV_RETRYABLE, f"env {self.name}.{method} asked for a retry: {exc}") from exc
+            except Exception as exc:
+                raise EnvError(ErrorClass.ENV_EXCEPTION, f"env {self.name}.{method} raised {exc!r}") from exc
+        if scope.cancelled_caught:
+            self.timed_out = True
+            raise EnvError(ErrorClass.ENV_TIMEOUT, f"env {self.name}.{method} timed out after {self.step_timeout}s")
+        return result
 
 
 def _short(value: Any) -> str:

@@ -1,0 +1,25 @@
+# The two set-up commands of the README: `make run` and `make test`. Each creates .venv and installs
+# what it needs on first use (torch and torchvision come from the wheels pinned in pyproject.toml).
+PYTHON ?= python3
+VENV := .venv
+INSTALLED := $(VENV)/.installed
+
+.PHONY: run test bench
+
+$(INSTALLED): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet --progress-bar off -e '.[dev]'
+	touch $(INSTALLED)
+
+run: $(INSTALLED)
+	$(VENV)/bin/turnstile run $(ARGS)
+
+test: $(INSTALLED)
+	$(VENV)/bin/python -m pytest $(ARGS)
+
+bench: $(INSTALLED)
+	mkdir -p reports
+	$(VENV)/bin/python -m benchmarks.encoding_speed --out reports/encoding_speed.json
+	$(VENV)/bin/python -m benchmarks.trajectory_memory --out reports/trajectory_memory.json
+	$(VENV)/bin/python -m benchmarks.local_concurrency --out reports/local_concurrency.json
+	$(VENV)/bin/python -m benchmarks.mm_merge --out reports/mm_merge.json

@@ -1,0 +1,166 @@
+"""`turnstile run`: multi-turn trajectories of a model against an env, one JSON line per trajectory.
+
+turnstile run                                   # tiny local model, built-in arithmetic env
+turnstile run --vision                          # the tiny Qwen2.5-VL model, images in observations
+turnstile run --backend sglang --url http://127.0.0.1:30000 --tokenizer PATH --prompts rows.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import Counter
+from contextlib import AsyncExitStack, nullcontext
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import anyio
+
+from engine.config import BackendConfig, RunConfig
+from engine.encoding import ChatEncoder
+from engine.envs.loader import EnvFactory, EnvSample
+from engine.trajectory import StopReason, Trajectory
+from engine.turn import run_trajectory
+
+FAILED_REASONS = (StopReason.BACKEND_ERROR, StopReason.ENV_ERROR)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="turnstile", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("run", help="run trajectories and write them as JSON lines")
+    run.add_argument("--config", help="a YAML file of RunConfig settings (flags override it)")
+    run.add_argument("--num-prompts", type=int, default=16, help="prompts of the built-in env (default 16)")
+    run.add_argument("--prompts", help="a JSONL file of rows {prompt: [messages], label, metadata} instead")
+    run.add_argument("--out", default="out/trajectories.jsonl", help="where the JSON lines go ('-' for stdout)")
+    run.add_argument("--backend", choices=["local", "sglang"])
+    run.add_argument("--url", help="SGLang server or router URL (with --backend sglang)")
+    run.add_argument("--model", help="local backend: tiny-qwen2, tiny-qwen2.5-vl or a model directory")
+    for flag in ("tokenizer", "chat-template", "env-path"):
+        run.add_argument(f"--{flag}")
+    run.add_argument("--vision", action="store_true", default=None, help="VLM: Qwen2.5-VL processor and model")
+    numbers = {"max-turns": int, "max-tokens": int, "max-new-tokens": int, "max-context-len": int,
+               "temperature": float, "concurrency": int, "seed": int, "env-step-timeout": float}  # fmt: skip
+    for flag, kind in numbers.items():
+        run.add_argument(f"--{flag}", type=kind)
+    args = parser.parse_args(argv)
+    try:
+        config = _config_from(args)
+        rows = _load_rows(args, config)
+        make_env = EnvFactory(
+            config.env_path, args=SimpleNamespace(**config.model_dump()), step_timeout=config.env_step_timeout
+        )
+    except (ValueError, OSError) as exc:  # bad settings, prompts or env: one error naming it
+        parser.error(str(exc))
+    return anyio.run(_run, config, rows, make_env, args.out)
+
+
+def _config_from(args: argparse.Namespace) -> RunConfig:
+    skip = {"command", "config", "num_prompts", "prompts", "out", "backend", "url", "model"}
+    overrides = {k: v for k, v in vars(args).items() if k not in skip and v is not None}
+    base = RunConfig.from_yaml(args.config) if args.config else RunConfig()
+    backend = base.backend.model_dump()
+    backend.update({k: v for k, v in (("kind", args.backend), ("url", args.url), ("model", args.model)) if v})
+    if overrides.get("vision") and not args.model and backend.get("kind") == "local":
+        backend["model"] = "tiny-qwen2.5-vl"
+    return RunConfig.model_validate({**base.model_dump(), **overrides, "backend": BackendConfig(**backend)})
+
+
+def _load_rows(args: argparse.Namespace, config: RunConfig) -> list[dict[str, Any]]:
+    if args.prompts is None:
+        from engine.envs.arith import make_prompts
+
+        return make_prompts(args.num_prompts, seed=config.seed, vision=config.vision)
+    rows = []
+    for number, line in enumerate(Path(args.prompts).read_text().splitlines(), start=1):
+        if line.strip():
+            row = json.loads(line)
+            if not isinstance(row.get("prompt"), list):
+                raise ValueError(f"{args.prompts}:{number}: 'prompt' must be a list of chat messages")
+            rows.append(row)
+    return rows
+
+
+async def _run(config: RunConfig, rows: list[dict[str, Any]], make_env: EnvFactory, out: str) -> int:
+    from engine.models import load_processor, load_tokenizer
+
+    processor = load_processor("qwen2.5-vl") if config.vision else None
+    tokenizer = processor.tokenizer if processor is not None else load_tokenizer(config.tokenizer, config.chat_template)
+    encoder = ChatEncoder(tokenizer, processor=processor)
+    sampling, limits = config.sampling(encoder.stop_token_ids), config.limits()
+    limiter = anyio.CapacityLimiter(config.concurrency)
+    finished: list[Trajectory] = []
+    started = time.monotonic()
+
+    async with AsyncExitStack() as stack:
+        backend = await stack.enter_async_context(_backend(config, tokenizer, processor))
+        if not await backend.health():
+            print(
+                f"turnstile: the {config.backend.kind} backend at {config.backend.url} is not healthy", file=sys.stderr
+            )
+            return 2
+        sink = stack.enter_context(nullcontext(sys.stdout) if out == "-" else _open_out(out))
+
+        async def one(index: int, row: dict[str, Any]) -> None:
+            async with limiter:
+                trajectory = Trajectory(prompt=row["prompt"], group_id=index, metadata=dict(row.get("metadata") or {}))
+                env = make_env(
+                    EnvSample(
+                        prompt=row["prompt"],
+                        label=row.get("label"),
+                        metadata=trajectory.metadata,
+                        index=index,
+                        group_index=index,
+                    )
+                )
+                await run_trajectory(
+                    trajectory, backend=backend, env=env, encoder=encoder, sampling=sampling, limits=limits
+                )
+            sink.write(json.dumps(trajectory.to_record(), default=str) + "\n")
+            finished.append(trajectory)
+
+        async with anyio.create_task_group() as tg:
+            for index, row in enumerate(rows):
+                tg.start_soon(one, index, row)
+    _summary(finished, time.monotonic() - started, out)
+    return 1 if finished and all(t.stop_reason in FAILED_REASONS for t in finished) else 0
+
+
+def _backend(config: RunConfig, tokenizer: Any, processor: Any):
+    if config.backend.kind == "sglang":
+        from engine.backends.sglang import SGLangBackend
+
+        return SGLangBackend(config.backend.url, timeout=config.backend.timeout)
+    from engine.backends.local import LocalBackend
+    from engine.models import load_model
+
+    model = load_model(config.backend.model, seed=config.seed)
+    return LocalBackend(model, tokenizer, processor=processor, max_batch_size=config.backend.max_batch_size)
+
+
+def _open_out(out: str):
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path.open("w")
+
+
+def _summary(finished: list[Trajectory], seconds: float, out: str) -> None:
+    generated = sum(t.num_generated for t in finished)
+    turns = sum(len(t.turns) for t in finished)
+    statuses = Counter(str(t.status) for t in finished)
+    reasons = Counter(str(t.stop_reason) for t in finished)
+    print(
+        f"{len(finished)} trajectories in {seconds:.1f}s: {dict(statuses)}; stop reasons {dict(reasons)}; "
+        f"{turns / max(len(finished), 1):.1f} turns each; {generated} tokens generated ({generated / seconds:.0f}/s)"
+        + ("" if out == "-" else f"; written to {out}"),
+        file=sys.stderr,
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

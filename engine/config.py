@@ -1,0 +1,72 @@
+"""Typed configuration, validated once when built. YAML files use the same flat keys as slime's
+`--custom-config-path` files (`max_turns`, `rollout_interaction_env_path`, ...) plus Turnstile's own."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PositiveInt, model_validator
+
+from engine.backends.base import SamplingParams
+from engine.turn import TurnLimits
+
+
+class BackendConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["local", "sglang"] = "local"
+    model: str = "tiny-qwen2"  # local: a tiny model name or a saved model's directory
+    url: str | None = None  # sglang: the server (or sglang-router) base URL
+    timeout: float = 600.0
+    max_batch_size: PositiveInt = 64
+
+    @model_validator(mode="after")
+    def _url_for_sglang(self) -> BackendConfig:
+        if self.kind == "sglang" and not self.url:
+            raise ValueError("backend kind 'sglang' needs a url (e.g. http://127.0.0.1:30000)")
+        return self
+
+
+class RunConfig(BaseModel):
+    """What `turnstile run` does: which model and env, and the limits of each trajectory."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    tokenizer: str = "qwen2.5"
+    chat_template: str | None = None  # Jinja text or a .jinja file replacing the tokenizer's
+    vision: bool = False  # a VLM: the Qwen2.5-VL processor, images in prompts and observations
+    env_path: str = Field(
+        "engine.envs.arith", validation_alias=AliasChoices("env_path", "rollout_interaction_env_path")
+    )
+    env_step_timeout: float | None = 60.0
+    max_turns: PositiveInt = 6
+    max_tokens: PositiveInt = 1024  # response budget per trajectory (generated + observation tokens)
+    max_new_tokens: PositiveInt = 64  # per turn
+    max_context_len: PositiveInt | None = None
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = -1
+    concurrency: PositiveInt = 32  # trajectories run at once
+    seed: int = 0
+    backend: BackendConfig = BackendConfig()
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, **overrides: Any) -> RunConfig:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a mapping of settings, got {type(data).__name__}")
+        return cls.model_validate({**data, **overrides})
+
+    def limits(self) -> TurnLimits:
+        return TurnLimits(max_turns=self.max_turns, max_tokens=self.max_tokens, max_context_len=self.max_context_len)
+
+    def sampling(self, stop_token_ids: tuple[int, ...]) -> SamplingParams:
+        return SamplingParams(
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            stop_token_ids=stop_token_ids,
+        )

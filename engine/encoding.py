@@ -1,0 +1,255 @@
+"""Prompt and observation encoding by delta tokens, exact for templates that only append.
+
+A trajectory is built turn by turn: the prompt's tokens, then per turn the model's tokens up to and
+including its end-of-turn token, then the observation's tokens. For this to equal a full re-render
+of the conversation, the observation must carry everything the chat template writes after the
+model's end-of-turn token (Qwen's newline after `<|im_end|>`, the next role header, the generation
+prompt). So an observation is encoded as the text of
+
+    render(DUMMY_MESSAGES + [observation], add_generation_prompt=True)
+
+after the dummy assistant's end-of-turn token. That cut is found once per (encoder, observation
+role) and cached; each turn only the observation's suffix is tokenized, so the system prompt and
+the tools preamble appear once. Tokenizing the suffix alone is exact because the cut falls right
+after an added token, where tokenizers split anyway.
+
+Templates that rewrite history (Qwen3 drops earlier `<think>` blocks) cannot be exact: the
+trajectory keeps what the model saw, and `drift_check` re-renders the whole conversation and
+names the first turn where the two differ.
+
+    encoder = ChatEncoder(tokenizer)                       # or ChatEncoder(processor.tokenizer, processor=processor)
+    prompt = encoder.encode_prompt(messages)               # Encoded(token_ids, image_data, train_inputs)
+    obs = encoder.encode_observation({"role": "user", "content": "Wrong, try again."})
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from engine.errors import ObservationError
+from engine.multimodal import image_payload, load_image
+
+if TYPE_CHECKING:
+    from engine.trajectory import Trajectory
+
+ASSISTANT_SENTINEL = "I am the assistant of this dummy conversation."
+DUMMY_MESSAGES = (
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "I am a user."},
+    {"role": "assistant", "content": ASSISTANT_SENTINEL},
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Encoded:
+    """Token ids for the trajectory, images for the backend, processor outputs for the trainer."""
+
+    token_ids: list[int]
+    image_data: list[str] = field(default_factory=list)
+    train_inputs: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DriftReport:
+    """Where the turn-by-turn trajectory and a full re-render of its conversation first differ.
+
+    `turn` is the index of the turn holding the first difference (None: the prompt), `part` is
+    "prompt", "generated" or "observation". `trailing` counts render tokens past the trajectory's
+    end (the template's separator after the last end-of-turn token), which are not a difference.
+    """
+
+    exact: bool
+    position: int | None = None
+    turn: int | None = None
+    part: str | None = None
+    expected: str = ""  # full render around the difference, decoded
+    actual: str = ""  # trajectory around the difference, decoded
+    trailing: int = 0
+
+    def describe(self) -> str:
+        if self.exact:
+            return "exact: the trajectory equals the full re-render"
+        where = "the prompt" if self.turn is None else f"turn {self.turn} ({self.part})"
+        return (
+            f"drift at token {self.position}, in {where}: render has {self.expected!r}, trajectory has {self.actual!r}"
+        )
+
+
+class ChatEncoder:
+    """Encodes prompts and observations for one tokenizer (or VLM processor), tool set and template kwargs."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        processor: Any = None,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ):
+        self.tokenizer = tokenizer
+        self.processor = processor
+        self.tools = tools
+        self.template_kwargs = dict(chat_template_kwargs or {})
+        self._renderer = processor if processor is not None else tokenizer
+        if not getattr(self._renderer, "chat_template", None):
+            name = getattr(tokenizer, "name_or_path", None) or type(tokenizer).__name__
+            raise ValueError(f"tokenizer {name!r} has no chat template; set one (chat_template=...) before encoding")
+        self._prefix: dict[str, str] = {}  # observation role -> dummy text up to the end-of-turn token
+        self.end_of_turn_id, self._end_of_turn_text = self._find_end_of_turn()
+
+    # -- public ---------------------------------------------------------------------------------------
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """Tokens that end the model's turn: the template's end-of-turn token and the tokenizer's EOS."""
+        eos = self.tokenizer.eos_token_id
+        return tuple(dict.fromkeys(t for t in (self.end_of_turn_id, eos) if t is not None))
+
+    def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool) -> str:
+        return self._renderer.apply_chat_template(
+            self._for_template(messages),
+            tools=self.tools,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            **self.template_kwargs,
+        )
+
+    def encode_prompt(self, messages: list[dict[str, Any]]) -> Encoded:
+        """The prompt with the generation prompt appended, as the model will first see it."""
+        return self._encode_text(self.render(messages, add_generation_prompt=True), _images_of(messages))
+
+    def encode_observation(self, message: dict[str, Any]) -> Encoded:
+        """The tokens that follow the model's end-of-turn token: separator, the observation, the next
+        generation prompt."""
+        text = self.render([*DUMMY_MESSAGES, message], add_generation_prompt=True)
+        prefix = self._prefix_for(message.get("role", "user"))
+        if not text.startswith(prefix):  # the template renders the dummy turns differently for this message
+            prefix = text[: self._cut(text)]
+        return self._encode_text(text[len(prefix) :], _images_of([message]))
+
+    def closing_ids(self, generated: list[int]) -> list[int]:
+        """What to put before an observation when the model's turn did not end with its end-of-turn
+        token (a stop string, say): that token, so the trajectory still matches the template."""
+        return [] if generated and generated[-1] == self.end_of_turn_id else [self.end_of_turn_id]
+
+    def assistant_text(self, generated: list[int]) -> str:
+        """The model's turn as message content for a re-render: decoded, end-of-turn token dropped."""
+        return self._decode_turn(generated, skip_special_tokens=False)
+
+    def response_text(self, generated: list[int]) -> str:
+        """The model's turn as the env reads it: special tokens skipped, as SGLang's `text` has it."""
+        return self._decode_turn(generated, skip_special_tokens=True)
+
+    def _decode_turn(self, generated: list[int], *, skip_special_tokens: bool) -> str:
+        if generated and generated[-1] in self.stop_token_ids:
+            generated = generated[:-1]
+        return self.tokenizer.decode(generated, skip_special_tokens=skip_special_tokens)
+
+    def drift_check(self, trajectory: Trajectory) -> DriftReport:
+        """Re-render the trajectory's whole conversation and compare it with its tokens."""
+        messages = list(trajectory.prompt)
+        for turn in trajectory.turns:
+            messages.append(
+                {"role": "assistant", "content": self.assistant_text(trajectory.generated_ids(turn).tolist())}
+            )
+            if turn.observation is not None:
+                messages.append(turn.observation)
+        ends_with_observation = bool(trajectory.turns) and trajectory.turns[-1].observation is not None
+        render = self._encode_text(
+            self.render(messages, add_generation_prompt=ends_with_observation or not trajectory.turns),
+            _images_of(messages),
+        ).token_ids
+        actual = trajectory.tokens.tolist()
+        position = next((i for i, (a, b) in enumerate(zip(actual, render, strict=False)) if a != b), None)
+        if position is None and len(render) < len(actual):
+            position = len(render)
+        if position is None:
+            return DriftReport(exact=True, trailing=len(render) - len(actual))
+        turn, part = _locate(trajectory, position)
+        window = slice(max(0, position - 3), position + 8)
+        return DriftReport(
+            exact=False,
+            position=position,
+            turn=turn,
+            part=part,
+            expected=self.tokenizer.decode(render[window], skip_special_tokens=False),
+            actual=self.tokenizer.decode(actual[window], skip_special_tokens=False),
+        )
+
+    # -- internals ------------------------------------------------------------------------------------
+    def _find_end_of_turn(self) -> tuple[int, str]:
+        """The added token the template writes right after an assistant message's content."""
+        text = self.render([*DUMMY_MESSAGES, {"role": "user", "content": "x"}], add_generation_prompt=True)
+        start = text.rfind(ASSISTANT_SENTINEL)
+        if start < 0:
+            raise ValueError("the chat template drops assistant messages; delta encoding cannot find the turn end")
+        tail = text[start + len(ASSISTANT_SENTINEL) :]
+        first = self.tokenizer(tail, add_special_tokens=False)["input_ids"][:1]
+        token = self.tokenizer.convert_ids_to_tokens(first[0]) if first else None
+        if token is None or token not in self.tokenizer.get_added_vocab() or not tail.startswith(token):
+            raise ValueError(
+                f"the chat template writes {tail[:40]!r} after the assistant's content, not an end-of-turn token; "
+                "delta encoding needs one to split turns"
+            )
+        return first[0], token
+
+    def _prefix_for(self, role: str) -> str:
+        if role not in self._prefix:
+            text = self.render([*DUMMY_MESSAGES, {"role": role, "content": "x"}], add_generation_prompt=True)
+            self._prefix[role] = text[: self._cut(text)]
+        return self._prefix[role]
+
+    def _cut(self, text: str) -> int:
+        """Index just past the dummy assistant's end-of-turn token in a rendered dummy conversation."""
+        start = text.rfind(ASSISTANT_SENTINEL + self._end_of_turn_text)
+        if start < 0:
+            raise ObservationError("the chat template rendered the dummy conversation without its turn end")
+        return start + len(ASSISTANT_SENTINEL) + len(self._end_of_turn_text)
+
+    def _for_template(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """A text tokenizer's template wants string content: join text parts, refuse images."""
+        if self.processor is not None:
+            return messages
+        out = []
+        for message in messages:
+            content = message.get("content")
+            if isinstance(content, list):
+                if _images_of([message]):
+                    raise ObservationError(
+                        f"a {message.get('role')!r} message holds images but the encoder has no VLM processor"
+                    )
+                content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+                message = {**message, "content": content}
+            out.append(message)
+        return out
+
+    def _encode_text(self, text: str, images: list[Any]) -> Encoded:
+        if self.processor is None:
+            return Encoded(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        pil_images = [load_image(image, what=f"image {i + 1} of {len(images)}") for i, image in enumerate(images)]
+        outputs = self.processor(text=[text], images=pil_images or None, return_tensors="pt")
+        token_ids = outputs["input_ids"][0].tolist()
+        train_inputs = {k: v for k, v in outputs.items() if k not in ("input_ids", "attention_mask")}
+        return Encoded(token_ids, [image_payload(image) for image in pil_images], train_inputs if pil_images else None)
+
+
+def _images_of(messages: list[dict[str, Any]]) -> list[Any]:
+    """Images in the messages' content parts, in order (`{"type": "image", "image": ...}`)."""
+    return [
+        part.get("image")
+        for message in messages
+        if isinstance(message.get("content"), list)
+        for part in message["content"]
+        if isinstance(part, dict) and (part.get("type") == "image" or "image" in part)
+    ]
+
+
+def _locate(trajectory: Trajectory, position: int) -> tuple[int | None, str]:
+    """Which turn (and which part of it) a token position of the trajectory belongs to."""
+    offset = position - trajectory.prompt_length
+    if offset < 0:
+        return None, "prompt"
+    for turn in reversed(trajectory.turns):
+        if offset >= turn.start:
+            return turn.index, "generated" if offset < turn.start + turn.num_generated else "observation"
+    return None, "prompt"

@@ -1,0 +1,130 @@
+"""Load a user env module by path and build one env per trajectory, as slime's multi-turn examples do.
+
+    factory = EnvFactory("my_pkg.my_env", args=SimpleNamespace(max_turns=4), step_timeout=30.0)
+    runner = factory(EnvSample(prompt="...", label="95"))     # an EnvRunner around a fresh env
+
+The module is a dotted module path or a path to a `.py` file, and exposes
+`build_env(sample=None, args=None, **kw)` (a positional `build_env(sample, args)` works too).
+Every problem with the module or with what `build_env` returns raises `EnvLoadError`, naming the
+module and the cause; failures of the env's own steps are the runner's (EnvError).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from engine.envs.base import BaseInteractionEnv, EnvRunner
+
+
+class EnvLoadError(ValueError):
+    """An env module that does not load, or a `build_env` that does not give a usable env."""
+
+
+@dataclass(slots=True)
+class EnvSample:
+    """The attributes of slime's `Sample` that envs read; a slime `Sample` may be passed instead."""
+
+    prompt: str | list[dict[str, Any]] = ""
+    label: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    index: int | None = None
+    group_index: int | None = None
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any], *, index: int | None = None, group_index: int | None = None) -> EnvSample:
+        """From a prompt row `{"prompt": ..., "label": ..., "metadata": {...}}`."""
+        return cls(row.get("prompt", ""), row.get("label"), dict(row.get("metadata") or {}), index, group_index)
+
+
+def load_env_module(path: str) -> ModuleType:
+    """Import an env module from a dotted module path or a `.py` file path. Raises EnvLoadError."""
+    if path.endswith(".py"):
+        return _load_file(Path(path))
+    try:
+        return importlib.import_module(path)
+    except Exception as exc:
+        raise EnvLoadError(f"env module {path!r} does not import: {exc!r}") from exc
+
+
+def _load_file(path: Path) -> ModuleType:
+    if not path.is_file():
+        raise EnvLoadError(f"env module file {str(path)!r} does not exist")
+    resolved = path.resolve()
+    # A stable, unique name: loading the same file twice gives the same module.
+    name = f"turnstile_env_{resolved.stem}_{hashlib.sha1(str(resolved).encode()).hexdigest()[:8]}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, resolved)
+    if spec is None or spec.loader is None:
+        raise EnvLoadError(f"env module file {str(path)!r} is not a Python module")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and pickling look the module up by name
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[name]
+        raise EnvLoadError(f"env module file {str(path)!r} does not import: {exc!r}") from exc
+    return module
+
+
+class EnvFactory:
+    """Built once from a module path (and slime-style `args`); each call builds one env and its runner.
+
+    The runner formats observations with the env's own `format_observation` when it defines one,
+    else the module's `format_observation`, else the default (base.default_format_observation).
+    """
+
+    def __init__(self, path: str, args: Any = None, *, step_timeout: float | None = None):
+        self.path = path
+        self.args = args
+        self.step_timeout = step_timeout
+        self.module = load_env_module(path)
+        self._build = getattr(self.module, "build_env", None)
+        if self._build is None:
+            raise EnvLoadError(f"env module {path!r} has no build_env")
+        if not callable(self._build):
+            raise EnvLoadError(f"env module {path!r}: build_env is a {type(self._build).__name__}, not callable")
+        self._module_format = getattr(self.module, "format_observation", None)
+        if self._module_format is not None and not callable(self._module_format):
+            raise EnvLoadError(f"env module {path!r}: format_observation is not callable")
+        self._by_keyword = _takes_keywords(self._build)
+
+    def __call__(self, sample: Any = None) -> EnvRunner:
+        """A runner around a fresh env for `sample` (an EnvSample or a slime Sample). Raises EnvLoadError."""
+        try:
+            if self._by_keyword:
+                env = self._build(sample=sample, args=self.args)
+            else:
+                env = self._build(sample, self.args)
+        except Exception as exc:
+            raise EnvLoadError(f"env module {self.path!r}: build_env raised {exc!r}") from exc
+        if not callable(getattr(env, "step", None)) and not callable(getattr(env, "astep", None)):
+            kind = type(env).__name__
+            raise EnvLoadError(f"env module {self.path!r}: build_env returned {kind}, which has no step() or astep()")
+        return EnvRunner(env, format_observation=self._formatter(env), step_timeout=self.step_timeout)
+
+    def _formatter(self, env: Any) -> Callable[[dict[str, Any]], dict[str, Any]] | None:
+        own = getattr(env, "format_observation", None)
+        if callable(own) and getattr(own, "__func__", None) is not BaseInteractionEnv.format_observation:
+            return own
+        return self._module_format  # None: the runner's default
+
+
+def _takes_keywords(fn: Any) -> bool:
+    """Whether `fn(sample=..., args=...)` binds; slime falls back to positional arguments otherwise."""
+    try:
+        inspect.signature(fn).bind(sample=None, args=None)
+    except TypeError:
+        return False
+    except ValueError:  # no signature to inspect (a builtin): try keywords
+        return True
+    return True

@@ -1,0 +1,153 @@
+"""What one turn does, and the sequential reference loop built from it.
+
+`run_trajectory` is the seed's five steps, numbered in the loop:
+  1. encode the prompt;
+  2. generate (tokens appended with loss mask 1);
+  3. check whether generation ended the trajectory (abort, context length, token budget);
+  4. step the env (done? out of turns?);
+  5. append the observation (loss mask 0; images on the rollout and the training side).
+
+The turn-level scheduler dispatches `generate_turn` and `env_turn` separately, holding a generation
+slot or an env slot for each; this loop runs them back to back for one trajectory. The token budget
+(`max_tokens`, response side) shrinks with generated and observation tokens and caps each turn's
+`max_new_tokens`. A turn that hits the per-turn cap ends there: it is closed with the end-of-turn
+token (mask 0) and the env still answers it.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, replace
+
+import anyio
+
+from engine.backends.base import Backend, GenerateResult, SamplingParams
+from engine.encoding import ChatEncoder
+from engine.envs.base import EnvRunner
+from engine.errors import Stage, TurnError
+from engine.trajectory import Status, StopReason, Trajectory, Turn
+
+
+@dataclass(frozen=True, slots=True)
+class TurnLimits:
+    max_turns: int = 8
+    max_tokens: int = 4096  # response budget of a trajectory: generated + observation tokens
+    max_context_len: int | None = None  # prompt + response, the model's window
+
+    def remaining(self, trajectory: Trajectory) -> int:
+        """Tokens the trajectory may still add."""
+        left = self.max_tokens - trajectory.response_length
+        if self.max_context_len is not None:
+            left = min(left, self.max_context_len - len(trajectory.tokens))
+        return left
+
+
+def encode_prompt(trajectory: Trajectory, encoder: ChatEncoder) -> None:
+    """Step 1: the prompt's tokens, and its images on both sides."""
+    encoded = encoder.encode_prompt(trajectory.prompt)
+    trajectory.set_prompt(encoded.token_ids)
+    trajectory.image_data.extend(encoded.image_data)
+    trajectory.train_inputs.add(encoded.train_inputs)
+
+
+async def generate_turn(
+    trajectory: Trajectory, backend: Backend, sampling: SamplingParams, limits: TurnLimits
+) -> GenerateResult:
+    """Step 2: one generation request, its tokens appended with loss mask 1, recorded as a new turn."""
+    turn = Turn(index=len(trajectory.turns), start=trajectory.response_length)
+    params = replace(sampling, max_new_tokens=min(sampling.max_new_tokens, limits.remaining(trajectory)))
+    started = time.monotonic()
+    result = await backend.generate(
+        trajectory.tokens.tolist(), params, trajectory.image_data or None, rid=uuid.uuid4().hex
+    )
+    turn.generate_seconds = time.monotonic() - started
+    trajectory.append_generation(result.token_ids, result.logprobs)
+    turn.num_generated = len(result.token_ids)
+    turn.finish_reason = result.finish_reason
+    turn.weight_version = result.weight_version
+    trajectory.turns.append(turn)
+    if result.weight_version is not None:
+        trajectory.weight_versions.append(result.weight_version)
+    return result
+
+
+def stop_after_generation(trajectory: Trajectory, result: GenerateResult, limits: TurnLimits) -> StopReason | None:
+    """Step 3: does this generation end the trajectory?"""
+    if result.finish_reason == "abort":
+        return StopReason.ABORTED
+    if limits.max_context_len is not None and len(trajectory.tokens) >= limits.max_context_len:
+        return StopReason.LENGTH
+    if limits.remaining(trajectory) <= 0:
+        return StopReason.TOKEN_BUDGET
+    return None
+
+
+async def env_turn(
+    trajectory: Trajectory, env: EnvRunner, encoder: ChatEncoder, limits: TurnLimits
+) -> StopReason | None:
+    """Steps 4 and 5: the env answers the model's last turn; its observation is appended with loss mask 0."""
+    turn = trajectory.turns[-1]
+    generated = trajectory.generated_ids(turn).tolist()
+    started = time.monotonic()
+    step = await env.step(encoder.response_text(generated))
+    turn.env_seconds = time.monotonic() - started
+    if "reward" in step.info:
+        trajectory.reward = step.info["reward"]
+    if step.done:
+        return StopReason.ENV_DONE
+    if len(trajectory.turns) >= limits.max_turns:
+        return StopReason.MAX_TURNS
+    message = env.message(step.observation)
+    encoded = encoder.encode_observation(message)
+    token_ids = encoder.closing_ids(generated) + encoded.token_ids
+    if len(token_ids) >= limits.remaining(trajectory):  # no room left to answer it
+        return StopReason.TOKEN_BUDGET
+    trajectory.append_observation(token_ids)
+    trajectory.image_data.extend(encoded.image_data)
+    trajectory.train_inputs.add(encoded.train_inputs)
+    turn.num_observation = len(token_ids)
+    turn.observation = message
+    return None
+
+
+async def run_trajectory(
+    trajectory: Trajectory,
+    *,
+    backend: Backend,
+    env: EnvRunner,
+    encoder: ChatEncoder,
+    sampling: SamplingParams,
+    limits: TurnLimits,
+) -> Trajectory:
+    """Run one trajectory to its end, turn after turn. It always ends in exactly one terminal status:
+    a backend or env failure ends it FAILED with the error recorded; cancellation ends it ABORTED."""
+    stop: StopReason | None = None
+    try:
+        encode_prompt(trajectory, encoder)  # 1
+        trajectory.transition(Status.RUNNING)
+        await env.reset()
+        while stop is None:
+            result = await generate_turn(trajectory, backend, sampling, limits)  # 2
+            stop = stop_after_generation(trajectory, result, limits)  # 3
+            if stop is None:
+                stop = await env_turn(trajectory, env, encoder, limits)  # 4, 5
+    except TurnError as exc:
+        trajectory.errors.append(exc.record(len(trajectory.turns)))
+        stop = StopReason.BACKEND_ERROR if exc.stage is Stage.BACKEND else StopReason.ENV_ERROR
+    except anyio.get_cancelled_exc_class():
+        stop = StopReason.ABORTED
+        raise
+    finally:
+        await _close(env, trajectory)
+        trajectory.finish(stop or StopReason.ABORTED)
+        trajectory.check_invariant()
+    return trajectory
+
+
+async def _close(env: EnvRunner, trajectory: Trajectory) -> None:
+    """Close the env; a failing close is recorded on the trajectory but does not change its outcome."""
+    try:
+        await env.close()
+    except TurnError as exc:
+        trajectory.errors.append(exc.record(len(trajectory.turns)))

@@ -1,0 +1,1 @@
+"""Env modules the tests load by file path and by module path."""

@@ -1,0 +1,532 @@
+"""SGLangBackend against a local server that answers in SGLang's shape (tests/sglang_double.py)."""
+
+from __future__ import annotations
+
+import socket
+
+import anyio
+import pytest
+
+from engine.backends.base import Backend, SamplingParams
+from engine.backends.sglang import SGLangBackend
+from engine.errors import BackendError, ErrorClass
+from tests.sglang_double import Disconnect, Generate, Raw, SGLangDouble, error_body
+
+PARAMS = SamplingParams(max_new_tokens=8)
+
+
+@pytest.fixture
+def server():
+    with SGLangDouble() as double:
+        yield double
+
+
+@pytest.fixture
+async def backend(server):
+    async with SGLangBackend(server.url) as client:
+        yield client
+
+
+def closed_port_url() -> str:
+    """The URL of a port nothing listens on."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+async def wait_held(server: SGLangDouble, count: int) -> None:
+    assert await anyio.to_thread.run_sync(server.wait_held, count), f"{count} requests were never held"
+
+
+# -- the request ---------------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_generate_sends_sglang_request_body(server, backend):
+    params = SamplingParams(
+        max_new_tokens=64, temperature=0.7, top_p=0.9, top_k=20, stop_token_ids=(151645,), stop=("</tool>",)
+    )
+    await backend.generate([1, 2, 3], params, ["data:image/png;base64,iVBORw0KGgo="], rid="traj-7-turn-2")
+    await backend.generate((4, 5), SamplingParams(max_new_tokens=4, ignore_eos=True))
+
+    first, second = (r.body for r in server.requests_to("/generate"))
+    assert first == {
+        "input_ids": [1, 2, 3],
+        "sampling_params": {
+            "max_new_tokens": 64,
+            "temperature": 0.7,
+            "top_p": 0.9,
+            "top_k": 20,
+            "skip_special_tokens": True,
+            "stop_token_ids": [151645],
+            "stop": ["</tool>"],
+        },
+        "return_logprob": True,
+        "image_data": ["data:image/png;base64,iVBORw0KGgo="],
+        "rid": "traj-7-turn-2",
+    }
+    assert second == {
+        "input_ids": [4, 5],
+        "sampling_params": {
+            "max_new_tokens": 4,
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "top_k": -1,
+            "skip_special_tokens": True,
+            "ignore_eos": True,
+        },
+        "return_logprob": True,
+    }
+    assert all(r.method == "POST" for r in server.requests_to("/generate"))
+
+
+@pytest.mark.anyio
+async def test_headers_go_with_every_request(server):
+    async with SGLangBackend(server.url, headers={"X-SMG-Routing-Key": "session-3"}) as backend:
+        await backend.generate([1], PARAMS)
+        await backend.abort("x")
+    assert [r.headers.get("x-smg-routing-key") for r in server.requests] == ["session-3", "session-3"]
+
+
+def test_backend_satisfies_the_protocol():
+    assert isinstance(SGLangBackend("http://127.0.0.1:1"), Backend)
+
+
+# -- parsing the reply ---------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_generate_parses_tokens_logprobs_text_and_counts(server, backend):
+    server.script(
+        Generate(
+            token_ids=[151644, 872, 151645],
+            logprobs=[-0.25, -1.5, -0.0625],
+            text="<|im_start|>user<|im_end|>",
+            weight_version="step-12",
+            cached_tokens=3,
+        )
+    )
+    result = await backend.generate([9, 8, 7, 6, 5], PARAMS, rid="r-1")
+
+    assert result.token_ids == [151644, 872, 151645]
+    assert result.logprobs == [-0.25, -1.5, -0.0625]
+    assert result.text == "<|im_start|>user<|im_end|>"
+    assert result.finish_reason == "stop"
+    assert result.weight_version == "step-12"
+    assert result.prompt_tokens == 5
+    assert result.cached_tokens == 3
+    assert result.meta["id"] == "r-1"
+    assert result.meta["finish_reason"] == {"type": "stop", "matched": 151645}
+    assert result.meta["completion_tokens"] == 3
+    assert "e2e_latency" in result.meta
+    assert not [key for key in result.meta if key.endswith("_logprobs")]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("finish", ["stop", "length", "abort"])
+async def test_generate_parses_each_finish_reason(server, backend, finish):
+    server.script(Generate(token_ids=[3, 4], finish=finish))
+    result = await backend.generate([1], PARAMS)
+    assert result.finish_reason == finish
+    assert result.token_ids == [3, 4]
+    assert result.meta["finish_reason"]["type"] == finish
+
+
+@pytest.mark.anyio
+async def test_abort_before_prefill_reply_without_counts_is_zero_tokens(server, backend):
+    """SGLang answers a request aborted in the waiting queue with little more than the finish reason."""
+    server.script(
+        Generate(
+            token_ids=[],
+            finish="abort",
+            drop=("text", "meta_info.prompt_tokens", "meta_info.cached_tokens", "meta_info.output_token_logprobs"),
+        )
+    )
+    result = await backend.generate([1, 2], PARAMS)
+    assert (result.finish_reason, result.token_ids, result.logprobs, result.text) == ("abort", [], [], "")
+    assert result.weight_version == "default"
+
+
+# -- errors --------------------------------------------------------------------------------------
+
+LONG_PROMPT = "The input (40000 tokens) is longer than the model's context length (32768 tokens)."
+
+ERROR_CASES = [
+    pytest.param(
+        Raw(500, error_body(500, "Internal server error: CUDA out of memory")),
+        ErrorClass.SERVER,
+        ["HTTP 500", "CUDA out of memory"],
+        id="http-500",
+    ),
+    pytest.param(
+        Raw(503, error_body(503, "The request queue is full.")),
+        ErrorClass.SERVER,
+        ["HTTP 503", "The request queue is full."],
+        id="http-503",
+    ),
+    pytest.param(
+        Raw(400, error_body(400, LONG_PROMPT)), ErrorClass.CLIENT, ["HTTP 400", "longer than the model"], id="http-400"
+    ),
+    pytest.param(Raw(404, {"detail": "Not Found"}), ErrorClass.CLIENT, ["HTTP 404", "Not Found"], id="http-404"),
+    pytest.param(
+        Raw(200, "<html><body>502 Bad Gateway</body></html>", "text/html"),
+        ErrorClass.MALFORMED,
+        ["not JSON", "502 Bad Gateway"],
+        id="not-json",
+    ),
+    pytest.param(
+        Raw(200, b'{"text": "cut of'), ErrorClass.MALFORMED, ["not JSON", '{"text": "cut of'], id="truncated-json"
+    ),
+    pytest.param(Raw(200, {"text": "hi"}), ErrorClass.MALFORMED, ["no meta_info", '"text": "hi"'], id="no-meta-info"),
+    pytest.param(
+        Generate(token_ids=[1, 2], drop=("meta_info.output_token_logprobs",)),
+        ErrorClass.MALFORMED,
+        ["output_token_logprobs is missing", '"output_ids": [1, 2]'],
+        id="no-logprobs",
+    ),
+    pytest.param(
+        Generate(drop=("meta_info.finish_reason",)),
+        ErrorClass.MALFORMED,
+        ["unknown finish_reason None"],
+        id="no-finish-reason",
+    ),
+    pytest.param(Generate(drop=("text",)), ErrorClass.MALFORMED, ["no text", '"output_ids"'], id="no-text"),
+    pytest.param(
+        Generate(drop=("meta_info.prompt_tokens",)),
+        ErrorClass.MALFORMED,
+        ["meta_info.prompt_tokens"],
+        id="no-prompt-tokens",
+    ),
+    pytest.param(
+        Generate(token_ids=[7, 8, 9], output_ids=[7, 8]),
+        ErrorClass.MALFORMED,
+        ["output_ids has 2 tokens but output_token_logprobs has 3", '"output_ids": [7, 8]'],
+        id="length-mismatch",
+    ),
+    pytest.param(
+        Generate(token_ids=[1], logprobs=["high"]),
+        ErrorClass.MALFORMED,
+        ["bad output_token_logprobs entry"],
+        id="logprob-not-a-number",
+    ),
+    pytest.param(
+        Generate(finish="eos_token"),
+        ErrorClass.MALFORMED,
+        ["unknown finish_reason {'type': 'eos_token'}"],
+        id="unknown-finish",
+    ),
+]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("reply", "error_class", "expected"), ERROR_CASES)
+async def test_generate_errors_are_classified(server, backend, reply, error_class, expected):
+    server.script(reply)
+    with pytest.raises(BackendError) as info:
+        await backend.generate([1, 2], PARAMS)
+
+    error = info.value
+    assert error.error_class is error_class
+    assert error.retryable is (error_class is ErrorClass.SERVER)
+    assert f"SGLang server at {server.url}" in error.message
+    assert "POST /generate" in error.message
+    for text in expected:
+        assert text in error.message
+
+
+@pytest.mark.anyio
+async def test_error_message_carries_at_most_300_chars_of_the_body(server, backend):
+    server.script(Raw(500, "E" * 5000, "text/plain"))
+    with pytest.raises(BackendError) as info:
+        await backend.generate([1], PARAMS)
+    excerpt = info.value.message.split("reply: ", 1)[1]
+    assert excerpt.startswith("E" * 200)
+    assert len(excerpt) <= 300
+
+
+@pytest.mark.anyio
+async def test_non_200_reply_that_is_an_abort_is_a_result(server, backend):
+    server.script(Generate(token_ids=[4, 5], finish="abort", status=503))
+    result = await backend.generate([1], PARAMS)
+    assert (result.finish_reason, result.token_ids) == ("abort", [4, 5])
+
+
+@pytest.mark.anyio
+async def test_non_200_error_body_mentioning_abort_stays_an_error(server, backend):
+    server.script(Raw(503, error_body(503, "The request is aborted by a higher priority request.")))
+    with pytest.raises(BackendError) as info:
+        await backend.generate([1], PARAMS)
+    assert info.value.error_class is ErrorClass.SERVER
+    assert "aborted by a higher priority" in info.value.message
+
+
+@pytest.mark.anyio
+async def test_server_down_is_connection_error_naming_the_url():
+    url = closed_port_url()
+    async with SGLangBackend(url, connect_timeout=2) as backend:
+        with pytest.raises(BackendError) as info:
+            await backend.generate([1], PARAMS)
+    assert info.value.error_class is ErrorClass.CONNECTION
+    assert info.value.retryable
+    assert info.value.message.startswith(f"SGLang server at {url} is unreachable: POST /generate")
+
+
+@pytest.mark.anyio
+async def test_server_closing_the_connection_is_connection_error(server, backend):
+    server.script(Disconnect())
+    with pytest.raises(BackendError) as info:
+        await backend.generate([1], PARAMS)
+    assert info.value.error_class is ErrorClass.CONNECTION
+    assert f"SGLang server at {server.url} is unreachable" in info.value.message
+
+
+@pytest.mark.anyio
+async def test_request_timeout_is_timeout_error(server):
+    server.script(Generate(hold=True))
+    try:
+        async with SGLangBackend(server.url, timeout=0.2) as backend:
+            with anyio.fail_after(10), pytest.raises(BackendError) as info:
+                await backend.generate([1], PARAMS)
+    finally:
+        server.release_all()
+    assert info.value.error_class is ErrorClass.TIMEOUT
+    assert info.value.retryable
+    assert f"SGLang server at {server.url}: POST /generate" in info.value.message
+
+
+@pytest.mark.anyio
+async def test_control_endpoint_errors_are_classified(server, backend):
+    server.reply_next("/abort_request", Raw(500, error_body(500, "scheduler is gone")))
+    with pytest.raises(BackendError) as info:
+        await backend.abort("r-1")
+    assert info.value.error_class is ErrorClass.SERVER
+    assert "POST /abort_request" in info.value.message and "scheduler is gone" in info.value.message
+
+    server.reply_next("/continue_generation", Raw(400, error_body(400, "Field required")))
+    with pytest.raises(BackendError) as info:
+        await backend.resume()
+    assert info.value.error_class is ErrorClass.CLIENT
+    assert "POST /continue_generation" in info.value.message
+
+
+# -- abort and pause -----------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_abort_one_held_request_returns_its_partial_tokens(server, backend):
+    server.script(Generate(token_ids=[11, 12, 13], hold=True), Generate(token_ids=[21], hold=True))
+    results = {}
+    finished = {"traj-a": anyio.Event(), "traj-b": anyio.Event()}
+
+    async def run(rid: str) -> None:
+        results[rid] = await backend.generate([1, 2], PARAMS, rid=rid)
+        finished[rid].set()
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run, "traj-a")
+            await wait_held(server, 1)
+            tg.start_soon(run, "traj-b")
+            await wait_held(server, 2)
+
+            await backend.abort("traj-a")
+            await finished["traj-a"].wait()
+            assert "traj-b" not in results
+            assert server.num_held == 1
+
+            await backend.abort("traj-b")
+
+    a, b = results["traj-a"], results["traj-b"]
+    assert (a.finish_reason, a.token_ids, len(a.logprobs)) == ("abort", [11, 12, 13], 3)
+    assert (b.finish_reason, b.token_ids) == ("abort", [21])
+    assert [r.body for r in server.requests_to("/abort_request")] == [{"rid": "traj-a"}, {"rid": "traj-b"}]
+
+
+@pytest.mark.anyio
+async def test_abort_all_aborts_every_held_request(server, backend):
+    server.script(*[Generate(token_ids=[i, i + 1], hold=True) for i in range(0, 30, 10)])
+    results = []
+
+    async def run(index: int) -> None:
+        results.append(await backend.generate([index], PARAMS, rid=f"traj-{index}"))
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            for index in range(3):
+                tg.start_soon(run, index)
+            await wait_held(server, 3)
+            await backend.abort()
+
+    assert [r.finish_reason for r in results] == ["abort"] * 3
+    assert sorted(r.token_ids for r in results) == [[0, 1], [10, 11], [20, 21]]
+    assert [r.body for r in server.requests_to("/abort_request")] == [{"abort_all": True}]
+
+
+@pytest.mark.anyio
+async def test_pause_and_resume_send_sglang_bodies(server, backend):
+    await backend.pause()
+    assert server.paused_mode == "in_place"
+    await backend.pause("retract")
+    assert server.paused_mode == "retract"
+    await backend.resume()
+    assert server.paused_mode is None
+
+    sent = [(r.path, r.body) for r in server.requests]
+    assert sent == [
+        ("/pause_generation", {"mode": "in_place"}),
+        ("/pause_generation", {"mode": "retract"}),
+        ("/continue_generation", {}),
+    ]
+    with pytest.raises(ValueError, match="pause mode"):
+        await backend.pause("drain")
+    assert len(server.requests) == 3
+
+
+@pytest.mark.anyio
+async def test_pause_in_abort_mode_returns_held_requests_as_aborted(server, backend):
+    server.script(Generate(token_ids=[5, 6], hold=True))
+    results = []
+
+    async def run() -> None:
+        results.append(await backend.generate([1], PARAMS, rid="r"))
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run)
+            await wait_held(server, 1)
+            await backend.pause(mode="abort")
+
+    assert (results[0].finish_reason, results[0].token_ids) == ("abort", [5, 6])
+
+
+# -- weight version, health, weight updates ------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_weight_version(server, backend):
+    server.weight_version = "step-7"
+    assert await backend.weight_version() == "step-7"
+    server.weight_version = None
+    assert await backend.weight_version() is None
+    assert [(r.method, r.path) for r in server.requests] == [("GET", "/get_weight_version")] * 2
+
+    server.reply_next("/get_weight_version", Raw(200, {"version": 3}))
+    with pytest.raises(BackendError) as info:
+        await backend.weight_version()
+    assert info.value.error_class is ErrorClass.MALFORMED
+    assert "GET /get_weight_version" in info.value.message and "'version': 3" in info.value.message
+
+
+@pytest.mark.anyio
+async def test_health(server, backend):
+    assert await backend.health() is True
+    server.healthy = False
+    assert await backend.health() is False
+    server.reply_next("/health", Raw(500, "boom", "text/plain"))
+    assert await backend.health() is False
+    assert [(r.method, r.path) for r in server.requests] == [("GET", "/health")] * 3
+
+
+@pytest.mark.anyio
+async def test_health_of_unreachable_server_is_false():
+    async with SGLangBackend(closed_port_url()) as backend:
+        assert await backend.health() is False
+
+
+@pytest.mark.anyio
+async def test_wait_until_healthy_returns_once_the_server_turns_healthy(server, backend):
+    server.healthy = False
+    done = anyio.Event()
+
+    async def wait() -> None:
+        await backend.wait_until_healthy(timeout=10, poll_interval=0.01)
+        done.set()
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(wait)
+            assert await anyio.to_thread.run_sync(server.health_checked.wait, 5)
+            assert not done.is_set()  # it saw a 503 and keeps polling
+            server.healthy = True
+    assert done.is_set()
+    assert len(server.requests_to("/health")) >= 2
+
+
+@pytest.mark.anyio
+async def test_wait_until_healthy_fails_at_the_deadline(server, backend):
+    server.healthy = False
+    with anyio.fail_after(10), pytest.raises(BackendError) as info:
+        await backend.wait_until_healthy(timeout=0.3, poll_interval=0.02)
+    assert info.value.error_class is ErrorClass.CONNECTION
+    assert f"SGLang server at {server.url}" in info.value.message and "GET /health" in info.value.message
+    assert "last answer HTTP 503" in info.value.message
+    assert server.requests_to("/health")
+
+
+@pytest.mark.anyio
+async def test_wait_until_healthy_fails_for_unreachable_server():
+    url = closed_port_url()
+    async with SGLangBackend(url) as backend:
+        with anyio.fail_after(10), pytest.raises(BackendError) as info:
+            await backend.wait_until_healthy(timeout=0.2, poll_interval=0.02)
+    assert info.value.error_class is ErrorClass.CONNECTION
+    assert url in info.value.message and "never reachable" in info.value.message
+
+
+@pytest.mark.anyio
+async def test_update_weights_from_disk(server, backend):
+    reply = await backend.update_weights_from_disk("/ckpt/iter_0000010", weight_version="10")
+    assert reply["success"] is True
+    assert await backend.weight_version() == "10"
+    await backend.update_weights_from_disk("/ckpt/iter_0000020")
+
+    bodies = [r.body for r in server.requests_to("/update_weights_from_disk")]
+    assert bodies == [
+        {"model_path": "/ckpt/iter_0000010", "weight_version": "10"},
+        {"model_path": "/ckpt/iter_0000020"},
+    ]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("status", [400, 200])
+async def test_update_weights_from_disk_refused_raises(server, backend, status):
+    refusal = {"success": False, "message": "Failed to get weights iterator: /nope", "num_paused_requests": 0}
+    server.reply_next("/update_weights_from_disk", Raw(status, refusal))
+    with pytest.raises(BackendError) as info:
+        await backend.update_weights_from_disk("/nope")
+    assert info.value.error_class is ErrorClass.CLIENT
+    assert "POST /update_weights_from_disk" in info.value.message
+    assert "Failed to get weights iterator: /nope" in info.value.message
+
+
+# -- the connection pool -------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_many_concurrent_generates_share_one_bounded_pool(server):
+    num_requests, max_connections = 64, 8
+    server.script(*[Generate(delay_s=0.02) for _ in range(num_requests)])
+    results = {}
+
+    async def run(index: int) -> None:
+        results[index] = await backend.generate([index, index + 1000], PARAMS, rid=f"r-{index}")
+
+    async with SGLangBackend(server.url, max_connections=max_connections) as backend:
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                for index in range(num_requests):
+                    tg.start_soon(run, index)
+
+    assert sorted(results) == list(range(num_requests))
+    assert all(results[i].token_ids == [i, i + 1000] for i in range(num_requests))  # each got its own reply
+    ports = {r.client_port for r in server.requests_to("/generate")}
+    assert 1 < len(ports) <= max_connections
+
+
+@pytest.mark.anyio
+async def test_closed_backend_refuses_requests(server):
+    async with SGLangBackend(server.url) as backend:
+        await backend.generate([1], PARAMS)
+    with pytest.raises(RuntimeError):
+        await backend.generate([1], PARAMS)
