@@ -8,7 +8,7 @@ INSTALLED := $(VENV)/.installed
 
 $(INSTALLED): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install --quiet --progress-bar off -e '.[dev]'
+	$(VENV)/bin/pip install -qq --progress-bar off -e '.[dev]'
 	touch $(INSTALLED)
 
 run: $(INSTALLED)

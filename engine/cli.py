@@ -21,9 +21,9 @@ import anyio
 
 from engine.config import BackendConfig, RunConfig
 from engine.encoding import ChatEncoder
-from engine.envs.loader import EnvFactory, EnvSample
+from engine.envs.loader import EnvFactory, EnvLoadError, EnvSample
 from engine.trajectory import StopReason, Trajectory
-from engine.turn import run_trajectory
+from engine.turn import record_failure, run_trajectory
 
 FAILED_REASONS = (StopReason.BACKEND_ERROR, StopReason.ENV_ERROR)
 
@@ -109,18 +109,15 @@ async def _run(config: RunConfig, rows: list[dict[str, Any]], make_env: EnvFacto
         async def one(index: int, row: dict[str, Any]) -> None:
             async with limiter:
                 trajectory = Trajectory(prompt=row["prompt"], group_id=index, metadata=dict(row.get("metadata") or {}))
-                env = make_env(
-                    EnvSample(
-                        prompt=row["prompt"],
-                        label=row.get("label"),
-                        metadata=trajectory.metadata,
-                        index=index,
-                        group_index=index,
+                sample = EnvSample.from_row(row, index=index, group_index=index)
+                try:
+                    env = make_env(sample)
+                except EnvLoadError as exc:  # build_env failed for this sample: this trajectory fails
+                    trajectory.finish(record_failure(trajectory, exc))
+                else:
+                    await run_trajectory(
+                        trajectory, backend=backend, env=env, encoder=encoder, sampling=sampling, limits=limits
                     )
-                )
-                await run_trajectory(
-                    trajectory, backend=backend, env=env, encoder=encoder, sampling=sampling, limits=limits
-                )
             sink.write(json.dumps(trajectory.to_record(), default=str) + "\n")
             finished.append(trajectory)
 

@@ -72,15 +72,20 @@ async def generate_turn(
     return result
 
 
-def stop_after_generation(trajectory: Trajectory, result: GenerateResult, limits: TurnLimits) -> StopReason | None:
-    """Step 3: does this generation end the trajectory?"""
-    if result.finish_reason == "abort":
-        return StopReason.ABORTED
+def out_of_room(trajectory: Trajectory, limits: TurnLimits) -> StopReason | None:
+    """LENGTH when the model's window is full, TOKEN_BUDGET when the response budget is spent."""
     if limits.max_context_len is not None and len(trajectory.tokens) >= limits.max_context_len:
         return StopReason.LENGTH
     if limits.remaining(trajectory) <= 0:
         return StopReason.TOKEN_BUDGET
     return None
+
+
+def stop_after_generation(trajectory: Trajectory, result: GenerateResult, limits: TurnLimits) -> StopReason | None:
+    """Step 3: does this generation end the trajectory?"""
+    if result.finish_reason == "abort":
+        return StopReason.ABORTED
+    return out_of_room(trajectory, limits)
 
 
 async def env_turn(
@@ -127,14 +132,14 @@ async def run_trajectory(
         encode_prompt(trajectory, encoder)  # 1
         trajectory.transition(Status.RUNNING)
         await env.reset()
+        stop = out_of_room(trajectory, limits)  # a prompt may fill the window on its own
         while stop is None:
             result = await generate_turn(trajectory, backend, sampling, limits)  # 2
             stop = stop_after_generation(trajectory, result, limits)  # 3
             if stop is None:
                 stop = await env_turn(trajectory, env, encoder, limits)  # 4, 5
     except TurnError as exc:
-        trajectory.errors.append(exc.record(len(trajectory.turns)))
-        stop = StopReason.BACKEND_ERROR if exc.stage is Stage.BACKEND else StopReason.ENV_ERROR
+        stop = record_failure(trajectory, exc)
     except anyio.get_cancelled_exc_class():
         stop = StopReason.ABORTED
         raise
@@ -143,6 +148,12 @@ async def run_trajectory(
         trajectory.finish(stop or StopReason.ABORTED)
         trajectory.check_invariant()
     return trajectory
+
+
+def record_failure(trajectory: Trajectory, error: TurnError) -> StopReason:
+    """Keep the error on the trajectory; the stop reason it ends with."""
+    trajectory.errors.append(error.record(len(trajectory.turns)))
+    return StopReason.BACKEND_ERROR if error.stage is Stage.BACKEND else StopReason.ENV_ERROR
 
 
 async def _close(env: EnvRunner, trajectory: Trajectory) -> None:

@@ -109,3 +109,32 @@ def test_bad_input_is_one_error_naming_it(tmp_path, capsys, argv, message):
         main(["run", "--num-prompts", "1", "--out", str(tmp_path / "x"), *argv])
     assert exited.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_build_env_failing_for_one_prompt_fails_that_trajectory_only(tmp_path):
+    env_file = tmp_path / "picky_env.py"
+    env_file.write_text(
+        "from engine.envs.base import BaseInteractionEnv\n"
+        "class Env(BaseInteractionEnv):\n"
+        "    def reset(self): return {}, {}\n"
+        "    def step(self, text): return {}, True, {'reward': 0.5}\n"
+        "def build_env(sample=None, args=None, **kw):\n"
+        "    if sample.label == 'bad': raise KeyError('no sandbox image for this task')\n"
+        "    return Env()\n"
+    )
+    prompts = tmp_path / "rows.jsonl"
+    rows = [{"prompt": [{"role": "user", "content": f"task {label}"}], "label": label} for label in ("good", "bad")]
+    prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out = tmp_path / "out.jsonl"
+    assert (
+        main(
+            ["run", "--env-path", str(env_file), "--prompts", str(prompts), "--max-new-tokens", "4", "--out", str(out)]
+        )
+        == 0
+    )
+    by_status = {record["status"]: record for record in read_lines(out)}
+    assert by_status.keys() == {"completed", "failed"}
+    failed = by_status["failed"]
+    assert failed["stop_reason"] == "env_error" and failed["turns"] == []
+    assert "build_env raised KeyError('no sandbox image for this task')" in failed["errors"][0]["message"]
+    assert by_status["completed"]["reward"] == 0.5

@@ -193,3 +193,11 @@ def test_illegal_status_changes_are_refused():
     trajectory.finish(StopReason.MAX_TURNS)
     with pytest.raises(ValueError, match="illegal status change"):
         trajectory.transition(Status.RUNNING)
+
+
+@pytest.mark.anyio
+async def test_a_prompt_that_fills_the_window_ends_with_length_before_any_request(encoder):
+    env = ScriptedEnv([obs("x")])
+    trajectory, backend = await run(encoder, [reply(encoder, "1")], env, max_context_len=5)
+    assert (trajectory.status, trajectory.stop_reason) == (Status.TRUNCATED, StopReason.LENGTH)
+    assert backend.requests == [] and trajectory.turns == [] and env.closed

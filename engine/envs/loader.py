@@ -23,10 +23,17 @@ from types import ModuleType
 from typing import Any
 
 from engine.envs.base import BaseInteractionEnv, EnvRunner
+from engine.errors import EnvError, ErrorClass
 
 
-class EnvLoadError(ValueError):
-    """An env module that does not load, or a `build_env` that does not give a usable env."""
+class EnvLoadError(EnvError, ValueError):
+    """An env module that does not load, or a `build_env` that does not give a usable env.
+
+    A ValueError for whoever loads the module; an EnvError (ENV_EXCEPTION) for the turn loop, so a
+    `build_env` that fails for one sample fails that trajectory only, with the reason recorded."""
+
+    def __init__(self, message: str):
+        super().__init__(ErrorClass.ENV_EXCEPTION, message)
 
 
 @dataclass(slots=True)
