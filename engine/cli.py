@@ -78,11 +78,15 @@ def _load_rows(args: argparse.Namespace, config: RunConfig) -> list[dict[str, An
         return make_prompts(args.num_prompts, seed=config.seed, vision=config.vision)
     rows = []
     for number, line in enumerate(Path(args.prompts).read_text().splitlines(), start=1):
-        if line.strip():
+        if not line.strip():
+            continue
+        try:
             row = json.loads(line)
-            if not isinstance(row.get("prompt"), list):
-                raise ValueError(f"{args.prompts}:{number}: 'prompt' must be a list of chat messages")
-            rows.append(row)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{args.prompts}:{number}: not a JSON object: {exc}") from exc
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), list):
+            raise ValueError(f"{args.prompts}:{number}: 'prompt' must be a list of chat messages")
+        rows.append(row)
     return rows
 
 

@@ -102,9 +102,13 @@ def test_a_server_that_is_down_is_one_clear_error(tmp_path, capsys):
         (["--env-path", "no_such_pkg.env"], "env module 'no_such_pkg.env' does not import"),
         (["--backend", "sglang"], "backend kind 'sglang' needs a url"),
         (["--max-turns", "0"], "max_turns"),
+        (["--prompts", "PROMPTS"], "rows.jsonl:2: not a JSON object"),
     ],
 )
 def test_bad_input_is_one_error_naming_it(tmp_path, capsys, argv, message):
+    prompts = tmp_path / "rows.jsonl"
+    prompts.write_text('{"prompt": [{"role": "user", "content": "hi"}]}\n{"prompt": [\n')
+    argv = [str(prompts) if a == "PROMPTS" else a for a in argv]
     with pytest.raises(SystemExit) as exited:
         main(["run", "--num-prompts", "1", "--out", str(tmp_path / "x"), *argv])
     assert exited.value.code == 2
