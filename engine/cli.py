@@ -22,6 +22,7 @@ import anyio
 from engine.config import BackendConfig, RunConfig
 from engine.encoding import ChatEncoder
 from engine.envs.loader import EnvFactory, EnvLoadError, EnvSample
+from engine.source import jsonl_rows
 from engine.trajectory import StopReason, Trajectory
 from engine.turn import record_failure, run_trajectory
 
@@ -76,18 +77,7 @@ def _load_rows(args: argparse.Namespace, config: RunConfig) -> list[dict[str, An
         from engine.envs.arith import make_prompts
 
         return make_prompts(args.num_prompts, seed=config.seed, vision=config.vision)
-    rows = []
-    for number, line in enumerate(Path(args.prompts).read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{args.prompts}:{number}: not a JSON object: {exc}") from exc
-        if not isinstance(row, dict) or not isinstance(row.get("prompt"), list):
-            raise ValueError(f"{args.prompts}:{number}: 'prompt' must be a list of chat messages")
-        rows.append(row)
-    return rows
+    return list(jsonl_rows(args.prompts))
 
 
 async def _run(config: RunConfig, rows: list[dict[str, Any]], make_env: EnvFactory, out: str) -> int:

@@ -67,6 +67,14 @@ class TurnError(Exception):
     def record(self, turn: int) -> ErrorRecord:
         return ErrorRecord(self.error_class, self.stage, self.message, turn)
 
+    def noted(self, note: str) -> TurnError:
+        """The same error, of the same class, with `note` appended to its message."""
+        error = Exception.__new__(type(self))
+        error.__dict__.update(self.__dict__)
+        error.message = f"{self.message} ({note})"
+        error.args = (error.message,)
+        return error
+
 
 class BackendError(TurnError):
     stage = Stage.BACKEND

@@ -66,6 +66,15 @@ END_STATUS = {
 _ids = itertools.count()
 
 
+@dataclass(frozen=True, slots=True)
+class Span:
+    """The tokens of one generate call: `length` tokens from `start` in the response, by one weight version."""
+
+    start: int
+    length: int
+    weight_version: str | None
+
+
 @dataclass(slots=True)
 class Turn:
     """What one turn did. `start` is the offset of its generated tokens in the response."""
@@ -96,7 +105,7 @@ class Trajectory:
     status: Status = Status.PENDING
     stop_reason: StopReason | None = None
     turns: list[Turn] = field(default_factory=list)
-    weight_versions: list[str] = field(default_factory=list)  # one per generate call, as slime keeps them
+    spans: list[Span] = field(default_factory=list)  # one per generate call: which weights made which tokens
     image_data: list[str] = field(default_factory=list)  # rollout side: every image so far, for the backend
     train_inputs: TrainInputBuffer = field(default_factory=TrainInputBuffer)  # training side, merged once
     errors: list[ErrorRecord] = field(default_factory=list)
@@ -113,10 +122,13 @@ class Trajectory:
         self.tokens.extend(token_ids)
         self.prompt_length = len(self.tokens)
 
-    def append_generation(self, token_ids: Sequence[int], logprobs: Sequence[float]) -> None:
-        """The model's tokens: loss mask 1, with their log-probs."""
+    def append_generation(
+        self, token_ids: Sequence[int], logprobs: Sequence[float], weight_version: str | None = None
+    ) -> None:
+        """The model's tokens: loss mask 1, with their log-probs and the weight version that made them."""
         if len(token_ids) != len(logprobs):
             raise ValueError(f"trajectory {self.id}: {len(token_ids)} tokens but {len(logprobs)} log-probs")
+        self.spans.append(Span(self.response_length, len(token_ids), weight_version))
         self.tokens.extend(token_ids)
         self.logprobs.extend(logprobs)
         self.loss_mask.extend(itertools.repeat(1, len(token_ids)))
@@ -141,6 +153,18 @@ class Trajectory:
     def finish(self, stop_reason: StopReason) -> None:
         self.transition(END_STATUS[stop_reason], stop_reason)
 
+    def restart(self) -> int:
+        """Drop everything but the prompt messages, to run again from the start; returns the number of
+        generated tokens thrown away. The prompt must be encoded again."""
+        discarded = self.num_generated
+        self.tokens, self.loss_mask, self.logprobs = array("i"), array("B"), array("f")
+        self.prompt_length = 0
+        self.turns, self.spans, self.image_data = [], [], []
+        self.train_inputs = TrainInputBuffer()
+        self.reward = None
+        self.metadata["num_restarts"] = self.metadata.get("num_restarts", 0) + 1
+        return discarded
+
     # -- views ------------------------------------------------------------------------------------
     @property
     def response_length(self) -> int:
@@ -152,7 +176,16 @@ class Trajectory:
 
     @property
     def num_generated(self) -> int:
-        return sum(t.num_generated for t in self.turns)
+        return sum(span.length for span in self.spans)
+
+    @property
+    def weight_versions(self) -> list[str]:
+        """The weight version of each generate call, as slime's Sample keeps them."""
+        return [span.weight_version for span in self.spans if span.weight_version is not None]
+
+    @property
+    def is_ended(self) -> bool:
+        return self.status.is_terminal
 
     def generated_ids(self, turn: Turn) -> array:
         """The model's tokens of one turn."""
@@ -184,7 +217,7 @@ class Trajectory:
             "tokens": self.tokens.tolist(),
             "loss_mask": self.loss_mask.tolist(),
             "logprobs": self.logprobs.tolist(),
-            "weight_versions": list(self.weight_versions),
+            "weight_versions": self.weight_versions,
             "num_images": len(self.image_data),
             "turns": [t.to_record() for t in self.turns],
             "errors": [
@@ -193,3 +226,20 @@ class Trajectory:
             ],
             "metadata": self.metadata,
         }
+
+
+@dataclass(slots=True, eq=False)
+class Group:
+    """The `n_samples_per_prompt` trajectories of one prompt; emitted once every member has ended."""
+
+    group_id: int
+    row: dict[str, Any]  # the prompt row it came from: prompt, label, metadata
+    trajectories: list[Trajectory]
+
+    @property
+    def rewards(self) -> list[float | dict[str, float] | None]:
+        return [t.reward for t in self.trajectories]
+
+    @property
+    def is_done(self) -> bool:
+        return all(t.is_ended for t in self.trajectories)

@@ -52,24 +52,35 @@ def encode_prompt(trajectory: Trajectory, encoder: ChatEncoder) -> None:
 
 
 async def generate_turn(
-    trajectory: Trajectory, backend: Backend, sampling: SamplingParams, limits: TurnLimits
+    trajectory: Trajectory, backend: Backend, sampling: SamplingParams, limits: TurnLimits, *, rid: str | None = None
 ) -> GenerateResult:
-    """Step 2: one generation request, its tokens appended with loss mask 1, recorded as a new turn."""
-    turn = Turn(index=len(trajectory.turns), start=trajectory.response_length)
-    params = replace(sampling, max_new_tokens=min(sampling.max_new_tokens, limits.remaining(trajectory)))
+    """Step 2: one generation request, its tokens appended with loss mask 1.
+
+    A turn whose generation was aborted (finish reason `abort`) is continued with what is left of its
+    `max_new_tokens`, not started anew: partial rollout resumes trajectories mid-turn."""
+    turn = _open_turn(trajectory)
+    left = sampling.max_new_tokens - turn.num_generated
+    params = replace(sampling, max_new_tokens=min(left, limits.remaining(trajectory)))
     started = time.monotonic()
     result = await backend.generate(
-        trajectory.tokens.tolist(), params, trajectory.image_data or None, rid=uuid.uuid4().hex
+        trajectory.tokens.tolist(), params, trajectory.image_data or None, rid=rid or uuid.uuid4().hex
     )
-    turn.generate_seconds = time.monotonic() - started
-    trajectory.append_generation(result.token_ids, result.logprobs)
-    turn.num_generated = len(result.token_ids)
-    turn.finish_reason = result.finish_reason
+    turn.generate_seconds += time.monotonic() - started
+    trajectory.append_generation(result.token_ids, result.logprobs, result.weight_version)
+    turn.num_generated += len(result.token_ids)
     turn.weight_version = result.weight_version
-    trajectory.turns.append(turn)
-    if result.weight_version is not None:
-        trajectory.weight_versions.append(result.weight_version)
+    aborted_at_cap = result.finish_reason == "abort" and turn.num_generated >= sampling.max_new_tokens
+    turn.finish_reason = "length" if aborted_at_cap else result.finish_reason
     return result
+
+
+def _open_turn(trajectory: Trajectory) -> Turn:
+    """The last turn when its generation was cut short (aborted, or failed before any reply), else a new turn."""
+    if trajectory.turns and trajectory.turns[-1].finish_reason in (None, "abort"):
+        return trajectory.turns[-1]
+    turn = Turn(index=len(trajectory.turns), start=trajectory.response_length)
+    trajectory.turns.append(turn)
+    return turn
 
 
 def out_of_room(trajectory: Trajectory, limits: TurnLimits) -> StopReason | None:

@@ -97,3 +97,71 @@ class ScriptedEnv(BaseInteractionEnv):
 
     def close(self):
         self.closed = True
+
+
+class DeterministicBackend:
+    """A model whose every token is a function of the tokens before it, so a generation aborted and
+    resumed later continues exactly as it would have, and any two runs agree.
+
+    Each token yields to the event loop, so requests interleave and can be aborted mid-generation
+    (they return what they have, finish reason "abort"). `stop_every` sets the mean turn length:
+    the stop token (the request's first stop id) comes when a prefix hash hits 0 mod `stop_every`.
+    `failures` maps an attempt number (1-based, over all generate calls) to an error raised instead.
+    """
+
+    def __init__(
+        self, *, stop_every: int = 6, weight_version: str = "v0", failures: dict[int, Exception] | None = None
+    ):
+        self.stop_every = stop_every
+        self.version = weight_version
+        self.failures = dict(failures or {})
+        self.num_calls = 0
+        self.running: dict[str, bool] = {}  # rid -> aborted
+        self.max_running = 0
+
+    async def generate(self, input_ids, sampling_params, image_data=None, *, rid=None) -> GenerateResult:
+        import anyio
+
+        self.num_calls += 1
+        if (error := self.failures.pop(self.num_calls, None)) is not None:
+            await anyio.lowlevel.checkpoint()
+            raise error
+        rid = rid or f"r{self.num_calls}"
+        self.running[rid] = False
+        self.max_running = max(self.max_running, len(self.running))
+        state = 0
+        for token in input_ids:  # a rolling hash of the whole prefix: any split point gives the same tokens
+            state = hash((state, token))
+        stop = sampling_params.stop_token_ids[0] if sampling_params.stop_token_ids else None
+        ids: list[int] = []
+        finish = "length"
+        try:
+            while len(ids) < sampling_params.max_new_tokens:
+                await anyio.lowlevel.checkpoint()
+                if self.running[rid]:
+                    finish = "abort"
+                    break
+                token = stop if stop is not None and state % self.stop_every == 0 else 1000 + state % 5000
+                ids.append(token)
+                state = hash((state, token))
+                if token == stop:
+                    finish = "stop"
+                    break
+        finally:
+            del self.running[rid]
+        return GenerateResult(ids, [-0.25] * len(ids), "", finish, self.version, prompt_tokens=len(input_ids))
+
+    async def abort(self, rid=None) -> None:
+        for key in self.running:
+            if rid is None or key == rid:
+                self.running[key] = True
+
+    async def pause(self) -> None: ...
+    async def resume(self) -> None: ...
+    async def weight_version(self) -> str | None:
+        return self.version
+
+    async def health(self) -> bool:
+        return True
+
+    async def aclose(self) -> None: ...

@@ -1,0 +1,252 @@
+"""RolloutEngine: prompts in, groups of finished trajectories out, a turn-level scheduler in between.
+
+    async with RolloutEngine(backend=b, encoder=e, env_factory=f, source=rows, config=EngineConfig(...)) as engine:
+        groups = await engine.rollout(32)          # one step's worth: 32 groups of n_samples_per_prompt
+        await engine.pause()                        # a weight update: generation stops, env steps go on
+        await engine.resume("step-1")
+        async for group in engine.stream(): ...     # or: groups as they finish, until the source runs dry
+
+Each prompt row becomes a group of `n_samples_per_prompt` trajectories, emitted once every member
+has ended, after an optional filter (dropped groups are counted by reason). With partial rollout a
+step keeps `target * over_sampling` groups in flight; once `target` are done it returns them and
+pauses the rest, which resume first in the next step with their envs and turn state.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, deque
+from collections.abc import AsyncIterator, Callable, Iterable
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+import anyio
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt
+
+from engine.backends.base import Backend, SamplingParams
+from engine.encoding import ChatEncoder
+from engine.envs.base import EnvRunner
+from engine.envs.loader import EnvLoadError, EnvSample
+from engine.scheduler.partial import mask_offpolicy
+from engine.scheduler.queue import Policy
+from engine.scheduler.retry import CircuitBreaker, RetryPolicy
+from engine.scheduler.scheduler import Scheduler, SchedulerStatistics
+from engine.source import PromptSource, RowSource
+from engine.trajectory import Group, Trajectory
+from engine.turn import TurnLimits, record_failure
+
+GroupFilter = Callable[[Group], str | None]  # a reason to drop the group, or None to keep it
+
+
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    n_samples_per_prompt: PositiveInt = 1
+    max_inflight: PositiveInt = 512  # trajectories admitted and not yet ended
+    max_generating: PositiveInt = 256  # concurrent generate requests
+    max_env_steps: PositiveInt = 64  # concurrent env steps
+    policy: Policy = Policy.GROUP_COMPLETION
+    partial_rollout: bool = False
+    over_sampling: float = Field(1.0, ge=1.0)
+    max_staleness: NonNegativeInt = 1
+    on_stale: Literal["restart", "finish"] = "restart"
+    mask_offpolicy: bool = False
+    drop_zero_std: bool = False  # drop groups whose rewards are all equal (no learning signal)
+    limits: TurnLimits = TurnLimits()
+    sampling: SamplingParams = SamplingParams(max_new_tokens=1024)  # stop_token_ids default to the encoder's
+    retry: RetryPolicy = RetryPolicy()
+    breaker_threshold: float = Field(0.5, gt=0, le=1)
+    breaker_window_s: float = Field(30.0, gt=0)
+    breaker_min_attempts: PositiveInt = 20
+    seed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStatistics:
+    num_prompts_admitted: int
+    num_groups_open: int  # admitted, some member still running or paused
+    num_groups_done: int  # finished, waiting to be returned
+    num_groups_returned: int
+    num_groups_dropped: dict[str, int]
+    num_trajectories_inflight: int
+    is_source_exhausted: bool
+    scheduler: SchedulerStatistics
+
+
+class RolloutEngine:
+    def __init__(
+        self,
+        *,
+        backend: Backend,
+        encoder: ChatEncoder,
+        env_factory: Callable[[EnvSample], EnvRunner],
+        source: PromptSource | Iterable[dict[str, Any]],
+        config: EngineConfig | None = None,
+        reward_fn: Callable[[Trajectory], Any] | None = None,
+        group_filter: GroupFilter | None = None,
+    ):
+        config = config or EngineConfig()
+        self.backend, self.encoder, self.env_factory, self.config = backend, encoder, env_factory, config
+        self.source = source if isinstance(source, PromptSource) else RowSource(source)
+        self.group_filter = group_filter or (_drop_zero_std if config.drop_zero_std else None)
+        sampling = config.sampling
+        if not sampling.stop_token_ids:
+            sampling = replace(sampling, stop_token_ids=encoder.stop_token_ids)
+        self.scheduler = Scheduler(
+            backend=backend, encoder=encoder, sampling=sampling, limits=config.limits, retry=config.retry,
+            breaker=CircuitBreaker(
+                threshold=config.breaker_threshold, window_s=config.breaker_window_s,
+                min_attempts=config.breaker_min_attempts,
+            ),
+            max_generating=config.max_generating, max_env_steps=config.max_env_steps, policy=config.policy,
+            max_staleness=config.max_staleness, on_stale=config.on_stale, group_left=self._group_left,
+            reward_fn=reward_fn, seed=config.seed,
+        )  # fmt: skip
+        self._open: dict[int, Group] = {}
+        self._done: deque[Group] = deque()
+        self._dropped: Counter[str] = Counter()
+        self._counts: Counter[str] = Counter()
+        self._num_inflight = 0
+        self._exhausted = False
+        self._changed = anyio.Event()
+
+    async def __aenter__(self) -> RolloutEngine:
+        self._stack = AsyncExitStack()
+        self._tasks = await self._stack.enter_async_context(anyio.create_task_group())
+        self.scheduler.resume_generation(await self.backend.weight_version())
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> bool | None:
+        """Trajectories still running or paused end ABORTED."""
+        self._tasks.cancel_scope.cancel()
+        return await self._stack.__aexit__(*exc_info)
+
+    # -- steps and streams ------------------------------------------------------------------------
+    async def rollout(self, target_groups: int) -> list[Group]:
+        """One step's worth: `target_groups` finished groups (fewer only if the source runs dry)."""
+        if self.scheduler.is_paused:
+            await self.resume()
+        partial = self.config.partial_rollout
+        goal = math.ceil(target_groups * self.config.over_sampling) if partial else target_groups
+        while len(self._done) < target_groups:
+            self._admit(goal)
+            if not self._open and self._exhausted:
+                break
+            await self._wait_for_change()
+        groups = [self._done.popleft() for _ in range(min(target_groups, len(self._done)))]
+        self._counts["returned"] += len(groups)
+        if partial and self._open:
+            await self.scheduler.pause_generation()
+        return groups
+
+    async def stream(self) -> AsyncIterator[Group]:
+        """Groups as they finish, admitting prompts as room frees up, until the source runs dry."""
+        goal = max(1, self.config.max_inflight // self.config.n_samples_per_prompt)
+        while True:
+            self._admit(goal)
+            while self._done:
+                self._counts["returned"] += 1
+                yield self._done.popleft()
+            if self._exhausted and not self._open:
+                return
+            await self._wait_for_change()
+
+    async def pause(self) -> None:
+        """Stop generation for a weight update: requests in flight are aborted and keep their tokens;
+        env steps go on; trajectories wait, PAUSED, until `resume`."""
+        await self.scheduler.pause_generation()
+
+    async def wait_until_parked(self) -> None:
+        """While paused: until every unfinished trajectory has finished its env step and waits, PAUSED."""
+        await self.scheduler.wait_until_parked()
+
+    async def resume(self, weight_version: str | None = None) -> None:
+        """Generate again, with `weight_version` (default: what the backend reports); paused ones first."""
+        if weight_version is None:
+            weight_version = await self.backend.weight_version()
+        self.scheduler.resume_generation(weight_version)
+
+    def statistics(self) -> EngineStatistics:
+        return EngineStatistics(
+            num_prompts_admitted=self._counts["admitted"],
+            num_groups_open=len(self._open),
+            num_groups_done=len(self._done),
+            num_groups_returned=self._counts["returned"],
+            num_groups_dropped=dict(self._dropped),
+            num_trajectories_inflight=self._num_inflight,
+            is_source_exhausted=self._exhausted,
+            scheduler=self.scheduler.statistics(),
+        )
+
+    @property
+    def open_groups(self) -> list[Group]:
+        """Groups admitted and not finished: running, or paused between steps."""
+        return list(self._open.values())
+
+    # -- admission and groups ---------------------------------------------------------------------
+    def _admit(self, goal: int) -> None:
+        """Start groups until `goal` are open or done, within max_inflight; none while the breaker is open."""
+        n = self.config.n_samples_per_prompt
+        while len(self._open) + len(self._done) < goal and not self._exhausted:
+            if self.scheduler.breaker.is_open or self._num_inflight + n > max(self.config.max_inflight, n):
+                return
+            rows = self.source.take(1)
+            if not rows:
+                self._exhausted = True
+                return
+            self._start(rows[0])
+
+    def _start(self, row: dict[str, Any]) -> None:
+        group_id = self._counts["admitted"]
+        self._counts["admitted"] += 1
+        metadata = row.get("metadata") or {}
+        members = [
+            Trajectory(prompt=row["prompt"], group_id=group_id, index=i, metadata=dict(metadata))
+            for i in range(self.config.n_samples_per_prompt)
+        ]
+        group = self._open[group_id] = Group(group_id, row, members)
+        self._num_inflight += len(members)
+        for trajectory in members:
+            self._tasks.start_soon(self._run, group, trajectory)
+
+    async def _run(self, group: Group, trajectory: Trajectory) -> None:
+        try:
+            sample = EnvSample.from_row(group.row, index=trajectory.index, group_index=group.group_id)
+            try:
+                env = self.env_factory(sample)
+            except EnvLoadError as exc:  # build_env failed for this sample: this trajectory fails
+                trajectory.finish(record_failure(trajectory, exc))
+            else:
+                await self.scheduler.drive(trajectory, env)
+        finally:
+            self._num_inflight -= 1
+            if group.is_done:
+                self._finish_group(group)
+            self._changed.set()
+
+    def _finish_group(self, group: Group) -> None:
+        del self._open[group.group_id]
+        if self.config.mask_offpolicy:
+            for trajectory in group.trajectories:
+                mask_offpolicy(trajectory, self.scheduler.clock)
+        reason = self.group_filter(group) if self.group_filter is not None else None
+        if reason is None:
+            self._done.append(group)
+        else:
+            self._dropped[reason] += 1
+
+    def _group_left(self, trajectory: Trajectory) -> int:
+        group = self._open.get(trajectory.group_id)
+        return 0 if group is None else sum(not t.is_ended for t in group.trajectories)
+
+    async def _wait_for_change(self) -> None:
+        """Until a trajectory ends (or, with the breaker open, its window has moved on)."""
+        self._changed = anyio.Event()
+        with anyio.move_on_after(self.config.breaker_window_s if self.scheduler.breaker.is_open else None):
+            await self._changed.wait()
+
+
+def _drop_zero_std(group: Group) -> str | None:
+    rewards = [r for r in group.rewards if isinstance(r, int | float)]
+    return "zero_std" if len(group.trajectories) > 1 and len(set(rewards)) <= 1 else None

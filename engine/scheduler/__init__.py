@@ -1,0 +1,19 @@
+"""The turn-level scheduler: priority slots, retry budgets, and partial rollout across weight updates."""
+
+from engine.scheduler.partial import VersionClock, mask_offpolicy
+from engine.scheduler.queue import Policy, PriorityLimiter
+from engine.scheduler.retry import CircuitBreaker, RetryBudget, RetryPolicy
+from engine.scheduler.scheduler import Phase, Scheduler, SchedulerStatistics
+
+__all__ = [
+    "CircuitBreaker",
+    "Phase",
+    "Policy",
+    "PriorityLimiter",
+    "RetryBudget",
+    "RetryPolicy",
+    "Scheduler",
+    "SchedulerStatistics",
+    "VersionClock",
+    "mask_offpolicy",
+]

@@ -1,0 +1,133 @@
+"""Retry budgets and the breaker: bounded, classified retries, and a stop on admissions while errors pile up.
+
+Each error class has a per-turn budget (how many times one turn may retry after that class of
+error) and every trajectory has a total. Waits between attempts back off exponentially with full
+jitter and are spent without holding a slot. A budget that runs out ends the trajectory FAILED with
+the error that spent it; nothing is dropped.
+
+The breaker watches the outcomes of recent attempts (generate calls and env steps, over a sliding
+time window): while the share of failures is over its threshold, the engine admits no new prompts.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections import Counter, deque
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine.errors import ErrorClass, TurnError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PER_TURN = {
+    ErrorClass.CONNECTION: 5,
+    ErrorClass.SERVER: 3,
+    ErrorClass.TIMEOUT: 2,
+    ErrorClass.MALFORMED: 1,
+    ErrorClass.CLIENT: 0,
+    ErrorClass.ENV_TIMEOUT: 2,
+    ErrorClass.ENV_EXCEPTION: 1,
+    ErrorClass.ENV_RETRYABLE: 3,
+    ErrorClass.BAD_OBSERVATION: 0,
+}
+
+
+class RetryPolicy(BaseModel):
+    """Budgets and backoff. `per_turn` maps an error class to the retries one turn may spend on it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    per_turn: dict[ErrorClass, int] = Field(default_factory=lambda: dict(DEFAULT_PER_TURN))
+    per_trajectory: int = Field(8, ge=0)
+    backoff_base_s: float = Field(0.2, ge=0)
+    backoff_max_s: float = Field(10.0, ge=0)
+
+    def backoff(self, attempt: int, rng: random.Random) -> float:
+        """Seconds before retry number `attempt` (0-based): uniform in [0, min(max, base * 2**attempt)]."""
+        return rng.uniform(0.0, min(self.backoff_max_s, self.backoff_base_s * 2**attempt))
+
+
+class RetryBudget:
+    """One trajectory's retries: per error class within the current turn, and in total."""
+
+    __slots__ = ("policy", "total", "by_class", "_turn", "_this_turn")
+
+    def __init__(self, policy: RetryPolicy):
+        self.policy = policy
+        self.total = 0
+        self.by_class: Counter[ErrorClass] = Counter()
+        self._turn = -1
+        self._this_turn: Counter[ErrorClass] = Counter()
+
+    def charge(self, error: TurnError, turn: int) -> int | None:
+        """Spend one retry of `error` in `turn`: the attempt number to back off for, or None when a
+        budget is spent (the caller fails the trajectory with `error`)."""
+        if turn != self._turn:
+            self._turn, self._this_turn = turn, Counter()
+        cls = error.error_class
+        if self._this_turn[cls] >= self.policy.per_turn.get(cls, 0) or self.total >= self.policy.per_trajectory:
+            return None
+        self._this_turn[cls] += 1
+        self.by_class[cls] += 1
+        self.total += 1
+        return self._this_turn[cls] - 1
+
+    def spent_in(self, turn: int) -> int:
+        return sum(self._this_turn.values()) if turn == self._turn else 0
+
+
+@dataclass(frozen=True, slots=True)
+class BreakerStatistics:
+    is_open: bool
+    attempts: int  # in the window
+    failures: int
+    times_opened: int
+
+
+class CircuitBreaker:
+    """Open while, over the last `window_s` seconds, at least `min_attempts` attempts were made and
+    more than `threshold` of them failed. It closes by itself as the window moves on."""
+
+    def __init__(self, *, threshold: float = 0.5, window_s: float = 30.0, min_attempts: int = 20, clock=time.monotonic):
+        self.threshold, self.window_s, self.min_attempts = threshold, window_s, min_attempts
+        self._clock = clock
+        self._outcomes: deque[tuple[float, bool]] = deque()
+        self._failures = 0
+        self._was_open = False
+        self.times_opened = 0
+
+    def record(self, ok: bool) -> None:
+        self._outcomes.append((self._clock(), ok))
+        self._failures += not ok
+        self._update()
+
+    @property
+    def is_open(self) -> bool:
+        return self._update()
+
+    def _update(self) -> bool:
+        """Drop outcomes older than the window; log when the breaker opens or closes."""
+        horizon = self._clock() - self.window_s
+        while self._outcomes and self._outcomes[0][0] < horizon:
+            self._failures -= not self._outcomes.popleft()[1]
+        n = len(self._outcomes)
+        is_open = n >= self.min_attempts and self._failures > self.threshold * n
+        if is_open != self._was_open:
+            self._was_open = is_open
+            self.times_opened += is_open
+            rate = self._failures / max(n, 1)
+            if is_open:
+                log.warning(
+                    "breaker open: %d of the last %d attempts failed; admitting no new prompts", self._failures, n
+                )
+            else:
+                log.warning("breaker closed (error rate %.0f%%); admitting prompts again", 100 * rate)
+        return is_open
+
+    def statistics(self) -> BreakerStatistics:
+        is_open = self.is_open
+        return BreakerStatistics(is_open, len(self._outcomes), self._failures, self.times_opened)

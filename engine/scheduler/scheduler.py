@@ -1,0 +1,314 @@
+"""The turn-level scheduler: many trajectories in flight, each holding a slot only for what it does now.
+
+Every trajectory is driven by its own coroutine through the same turn functions as the reference
+loop (`engine.turn`), but a generate call holds a generation slot and an env step an env slot, and
+nothing is held in between: while one trajectory waits on a slow tool, others generate. Slots are
+handed out by priority (`queue.Policy`). Failures are retried within budgets (`retry`); pausing
+generation aborts the requests on the backend, which keep their tokens, and parks every trajectory
+that wants to generate until generation resumes, paused ones first (`partial`).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import uuid
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from enum import StrEnum
+from functools import partial
+from typing import Any, Literal
+
+import anyio
+
+from engine.backends.base import Backend, SamplingParams
+from engine.encoding import ChatEncoder
+from engine.envs.base import EnvRunner
+from engine.errors import BackendError, EnvError, ErrorClass, TurnError
+from engine.scheduler.partial import VersionClock
+from engine.scheduler.queue import LimiterStatistics, Policy, PriorityLimiter, priority_key
+from engine.scheduler.retry import BreakerStatistics, CircuitBreaker, RetryBudget, RetryPolicy
+from engine.trajectory import Status, StopReason, Trajectory
+from engine.turn import TurnLimits, encode_prompt, env_turn, generate_turn, out_of_room, record_failure
+
+log = logging.getLogger(__name__)
+
+ABORT_RETRY_S = 1.0  # while pausing: abort again if requests are still on the backend after this long
+
+
+class Phase(StrEnum):
+    """Where an in-flight trajectory is."""
+
+    WAITING_TO_GENERATE = "waiting_to_generate"
+    GENERATING = "generating"
+    WAITING_FOR_ENV = "waiting_for_env"
+    IN_ENV = "in_env"
+    PAUSED = "paused"
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStatistics:
+    phases: dict[Phase, int]
+    generation: LimiterStatistics
+    env: LimiterStatistics
+    breaker: BreakerStatistics
+    retries: dict[ErrorClass, int]
+    budgets_exhausted: dict[ErrorClass, int]
+    num_paused: int  # times a trajectory was parked by a pause
+    num_resumed: int
+    num_restarted: int  # restarts for staleness
+    num_finished_stale: int
+    num_discarded_tokens: int  # generated, then thrown away by restarts
+
+
+class Scheduler:
+    def __init__(
+        self,
+        *,
+        backend: Backend,
+        encoder: ChatEncoder,
+        sampling: SamplingParams,
+        limits: TurnLimits,
+        retry: RetryPolicy,
+        breaker: CircuitBreaker,
+        max_generating: int,
+        max_env_steps: int,
+        policy: Policy = Policy.FIFO,
+        max_staleness: int = 1,
+        on_stale: Literal["restart", "finish"] = "restart",
+        group_left: Callable[[Trajectory], int] = lambda t: 0,
+        reward_fn: Callable[[Trajectory], Any] | None = None,
+        seed: int = 0,
+    ):
+        self.backend, self.encoder, self.sampling, self.limits = backend, encoder, sampling, limits
+        self.retry, self.breaker = retry, breaker
+        self.policy, self.max_staleness, self.on_stale = Policy(policy), max_staleness, on_stale
+        self.group_left, self.reward_fn = group_left, reward_fn
+        self.clock = VersionClock()
+        self.generation_slots = PriorityLimiter(max_generating, name="generation slots")
+        self.env_slots = PriorityLimiter(max_env_steps, name="env slots")
+        self._env_threads = anyio.CapacityLimiter(max_env_steps)  # worker threads of sync envs
+        self._rng = random.Random(seed)
+        self._phase: dict[int, Phase] = {}
+        self._waiting_to_generate: dict[int, Trajectory] = {}
+        self._generating: dict[str, Trajectory] = {}
+        self._drained = anyio.Event()
+        self._parked = anyio.Event()
+        self._counts: Counter[str] = Counter()
+        self._retries: Counter[ErrorClass] = Counter()
+        self._exhausted: Counter[ErrorClass] = Counter()
+
+    # -- one trajectory ---------------------------------------------------------------------------
+    async def drive(self, trajectory: Trajectory, env: EnvRunner) -> None:
+        """Run `trajectory` to its end. It ends in exactly one terminal status; while generation is
+        paused it waits, PAUSED, with its env and its turn state."""
+        env.limiter = self._env_threads
+        budget = RetryBudget(self.retry)
+        stop: StopReason | None = None
+        try:
+            encode_prompt(trajectory, self.encoder)  # 1
+            trajectory.transition(Status.RUNNING)
+            await self._env_call(trajectory, budget, env.reset)
+            stop = out_of_room(trajectory, self.limits)
+            while stop is None:
+                stop = await self._generate(trajectory, env, budget)  # 2, 3
+                if stop is None:
+                    step = partial(env_turn, trajectory, env, self.encoder, self.limits)
+                    stop = await self._env_call(trajectory, budget, step, replay=env)  # 4, 5
+            if self.reward_fn is not None and stop is not StopReason.ABORTED:
+                trajectory.reward = await self._reward(trajectory)
+        except TurnError as exc:
+            stop = record_failure(trajectory, exc)
+        except anyio.get_cancelled_exc_class():
+            stop = StopReason.ABORTED
+            raise
+        finally:
+            with anyio.CancelScope(shield=True):
+                try:
+                    await env.close()
+                except TurnError as exc:
+                    trajectory.errors.append(exc.record(len(trajectory.turns)))
+            trajectory.finish(stop or StopReason.ABORTED)
+            if budget.total:
+                trajectory.metadata["retries"] = {str(cls): n for cls, n in budget.by_class.items()}
+            self._phase.pop(trajectory.id, None)
+            self._parked.set()
+            trajectory.check_invariant()
+
+    async def _reward(self, trajectory: Trajectory) -> Any:
+        """The reward function's score; its failure fails this trajectory (ENV_EXCEPTION), not the step."""
+        try:
+            return await _maybe_await(self.reward_fn(trajectory))
+        except Exception as exc:
+            raise EnvError(ErrorClass.ENV_EXCEPTION, f"reward function raised {exc!r}") from exc
+
+    async def _generate(self, trajectory: Trajectory, env: EnvRunner, budget: RetryBudget) -> StopReason | None:
+        """Steps 2 and 3: generate until the turn's generation is complete (an aborted turn is continued
+        once generation resumes); then whether that ends the trajectory."""
+        while True:
+            await self._acquire_generation(trajectory)
+            if self.clock.staleness(trajectory) > self.max_staleness:
+                self.generation_slots.release()
+                if self.on_stale == "finish":
+                    self._counts["finished_stale"] += 1
+                    return StopReason.ABORTED
+                await self._restart(trajectory, env, budget)
+                continue
+            rid = uuid.uuid4().hex
+            self._generating[rid] = trajectory
+            self._phase[trajectory.id] = Phase.GENERATING
+            try:
+                result = await generate_turn(trajectory, self.backend, self.sampling, self.limits, rid=rid)
+                if result.finish_reason == "abort" and not self.generation_slots.is_closed:
+                    raise BackendError(
+                        ErrorClass.SERVER, "the backend aborted the request while generation was not paused"
+                    )
+            except BackendError as exc:
+                self.breaker.record(False)
+                attempt = self._charge(trajectory, budget, exc)
+            else:
+                self.breaker.record(True)
+                self.clock.observe(result.weight_version)
+                if result.finish_reason == "abort":
+                    continue  # paused mid-turn
+                trajectory.turns[-1].retries = budget.spent_in(len(trajectory.turns))
+                return out_of_room(trajectory, self.limits)
+            finally:
+                del self._generating[rid]
+                self.generation_slots.release()
+                if not self._generating:
+                    self._drained.set()
+            await anyio.sleep(self.retry.backoff(attempt, self._rng))
+
+    async def _env_call(
+        self,
+        trajectory: Trajectory,
+        budget: RetryBudget,
+        fn: Callable[[], Awaitable[Any]],
+        *,
+        replay: EnvRunner | None = None,
+    ) -> Any:
+        """An env operation under an env slot, retried within the budget. Before retrying a step on an
+        env that declares replay safe, the env is reset and the earlier responses replayed."""
+        while True:
+            self._phase[trajectory.id] = Phase.WAITING_FOR_ENV
+            await self.env_slots.acquire(self._key(trajectory))
+            self._phase[trajectory.id] = Phase.IN_ENV
+            try:
+                result = await fn()
+            except EnvError as exc:
+                self.breaker.record(False)
+                attempt = self._charge(trajectory, budget, exc)
+                if replay is not None and replay.replay_safe:
+                    await self._replay(trajectory, replay)
+            else:
+                self.breaker.record(True)
+                if trajectory.turns:
+                    trajectory.turns[-1].retries = budget.spent_in(len(trajectory.turns))
+                return result
+            finally:
+                self.env_slots.release()
+            await anyio.sleep(self.retry.backoff(attempt, self._rng))
+
+    async def _replay(self, trajectory: Trajectory, env: EnvRunner) -> None:
+        """Reset the env and step it through every earlier turn's response, so its state is rebuilt."""
+        await env.reset()
+        for turn in trajectory.turns[:-1]:
+            await env.step(self.encoder.response_text(trajectory.generated_ids(turn).tolist()))
+
+    async def _restart(self, trajectory: Trajectory, env: EnvRunner, budget: RetryBudget) -> None:
+        """Too stale to resume: discard the tokens and start again from the prompt, env reset."""
+        self._counts["restarted"] += 1
+        self._counts["discarded_tokens"] += trajectory.restart()
+        encode_prompt(trajectory, self.encoder)
+        await self._env_call(trajectory, budget, env.reset)
+
+    def _charge(self, trajectory: Trajectory, budget: RetryBudget, error: TurnError) -> int:
+        """Spend a retry on `error`, or raise it (noting the spent budget) when none is left."""
+        attempt = budget.charge(error, len(trajectory.turns))
+        if attempt is None:
+            self._exhausted[error.error_class] += 1
+            raise error.noted(f"retry budget spent after {budget.total} retries") from error
+        self._retries[error.error_class] += 1
+        log.info("retrying trajectory %d after %s: %s", trajectory.id, error.error_class, error.message)
+        return attempt
+
+    # -- generation slots, pause and resume -------------------------------------------------------
+    def _key(self, trajectory: Trajectory) -> tuple[int, ...]:
+        return priority_key(self.policy, trajectory, self.group_left)
+
+    async def _acquire_generation(self, trajectory: Trajectory) -> None:
+        """A generation slot, waiting PAUSED while generation is paused. A slot granted just before a
+        pause, to a trajectory that had not run yet, is handed back: nothing generates while paused."""
+        self._waiting_to_generate[trajectory.id] = trajectory
+        self._phase[trajectory.id] = Phase.WAITING_TO_GENERATE
+        try:
+            while True:
+                if self.generation_slots.is_closed:
+                    self._park(trajectory)
+                await self.generation_slots.acquire(self._key(trajectory))
+                if not self.generation_slots.is_closed:
+                    break
+                self.generation_slots.release()
+        finally:
+            del self._waiting_to_generate[trajectory.id]
+        if trajectory.status is Status.PAUSED:
+            trajectory.transition(Status.RUNNING)
+            self._counts["resumed"] += 1
+
+    def _park(self, trajectory: Trajectory) -> None:
+        if trajectory.status is Status.RUNNING:
+            trajectory.transition(Status.PAUSED)
+            self._phase[trajectory.id] = Phase.PAUSED
+            self._counts["paused"] += 1
+            self._parked.set()
+
+    async def wait_until_parked(self) -> None:
+        """While generation is paused: until every in-flight trajectory waits, PAUSED (env steps done)."""
+        while self.is_paused and any(phase is not Phase.PAUSED for phase in self._phase.values()):
+            self._parked = anyio.Event()
+            await self._parked.wait()
+
+    async def pause_generation(self) -> None:
+        """Generation stops at a safe point: requests on the backend are aborted and keep the tokens
+        they produced; env steps go on; every trajectory that wants to generate waits, PAUSED."""
+        self.generation_slots.close()
+        for trajectory in list(self._waiting_to_generate.values()):
+            self._park(trajectory)
+        while self._generating:
+            self._drained = anyio.Event()
+            try:
+                await self.backend.abort()
+            except BackendError as exc:  # the requests fail on their own; keep waiting for them
+                log.warning("abort while pausing failed: %s", exc.message)
+            with anyio.move_on_after(ABORT_RETRY_S):
+                await self._drained.wait()
+
+    def resume_generation(self, weight_version: str | None) -> None:
+        """Generation goes on with `weight_version`; paused trajectories first."""
+        self.clock.advance(weight_version)
+        self.generation_slots.open()
+
+    @property
+    def is_paused(self) -> bool:
+        return self.generation_slots.is_closed
+
+    def statistics(self) -> SchedulerStatistics:
+        return SchedulerStatistics(
+            phases=dict(Counter(self._phase.values())),
+            generation=self.generation_slots.statistics(),
+            env=self.env_slots.statistics(),
+            breaker=self.breaker.statistics(),
+            retries=dict(self._retries),
+            budgets_exhausted=dict(self._exhausted),
+            num_paused=self._counts["paused"],
+            num_resumed=self._counts["resumed"],
+            num_restarted=self._counts["restarted"],
+            num_finished_stale=self._counts["finished_stale"],
+            num_discarded_tokens=self._counts["discarded_tokens"],
+        )
+
+
+async def _maybe_await(value: Any) -> Any:
+    return await value if isinstance(value, Awaitable) else value

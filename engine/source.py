@@ -1,0 +1,50 @@
+"""Where prompts come from: rows `{"prompt": [chat messages], "label": ..., "metadata": {...}}`.
+
+A source hands out rows as the engine asks for them (`take`), so over-sampling pulls only what it
+needs. Any iterable of rows works through `RowSource`; `jsonl_rows` reads a JSONL file with one
+clear error per bad line. slime's data source is adapted in the bridge.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class PromptSource(Protocol):
+    def take(self, n: int) -> list[dict[str, Any]]:
+        """Up to `n` rows; fewer, or none, once the source runs dry."""
+        ...
+
+
+class RowSource:
+    """A PromptSource over any iterable of rows (a list, a generator, `jsonl_rows(...)`)."""
+
+    def __init__(self, rows: Iterable[dict[str, Any]]):
+        self._rows = iter(rows)
+
+    def take(self, n: int) -> list[dict[str, Any]]:
+        return [check_row(row, where="a prompt row") for row in itertools.islice(self._rows, n)]
+
+
+def jsonl_rows(path: str | Path) -> Iterator[dict[str, Any]]:
+    """The rows of a JSONL file, checked as they are read; a bad line raises ValueError naming file:line."""
+    with Path(path).open() as lines:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{number}: not a JSON object: {exc}") from exc
+            yield check_row(row, where=f"{path}:{number}")
+
+
+def check_row(row: Any, *, where: str) -> dict[str, Any]:
+    if not isinstance(row, dict) or not isinstance(row.get("prompt"), list):
+        raise ValueError(f"{where}: 'prompt' must be a list of chat messages")
+    return row
