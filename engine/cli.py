@@ -1,5 +1,8 @@
 """`turnstile run`: multi-turn trajectories of a model against an env, one JSON line per trajectory.
 
+Runs the turn-level engine (`engine.engine.RolloutEngine`) over the prompts and writes each group's
+trajectories as it finishes.
+
 turnstile run                                   # tiny local model, built-in arithmetic env
 turnstile run --vision                          # the tiny Qwen2.5-VL model, images in observations
 turnstile run --backend sglang --url http://127.0.0.1:30000 --tokenizer PATH --prompts rows.jsonl
@@ -19,12 +22,14 @@ from typing import Any
 
 import anyio
 
+from engine.backends.base import Backend
 from engine.config import BackendConfig, RunConfig
 from engine.encoding import ChatEncoder
-from engine.envs.loader import EnvFactory, EnvLoadError, EnvSample
+from engine.engine import RolloutEngine
+from engine.envs.loader import EnvFactory
+from engine.scheduler.queue import Policy
 from engine.source import jsonl_rows
 from engine.trajectory import StopReason, Trajectory
-from engine.turn import record_failure, run_trajectory
 
 FAILED_REASONS = (StopReason.BACKEND_ERROR, StopReason.ENV_ERROR)
 
@@ -44,9 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--model", help="local backend: tiny-qwen2, tiny-qwen2.5-vl or a model directory")
     for flag in ("tokenizer", "chat-template", "env-path"):
         run.add_argument(f"--{flag}")
+    run.add_argument("--policy", choices=[p.value for p in Policy], help="which ready turn goes next")
     run.add_argument("--vision", action="store_true", default=None, help="VLM: Qwen2.5-VL processor and model")
     numbers = {"max-turns": int, "max-tokens": int, "max-new-tokens": int, "max-context-len": int,
-               "temperature": float, "concurrency": int, "seed": int, "env-step-timeout": float}  # fmt: skip
+               "temperature": float, "seed": int, "env-step-timeout": float, "n-samples-per-prompt": int,
+               "max-inflight": int, "max-generating": int, "max-env-steps": int}  # fmt: skip
     for flag, kind in numbers.items():
         run.add_argument(f"--{flag}", type=kind)
     args = parser.parse_args(argv)
@@ -86,11 +93,8 @@ async def _run(config: RunConfig, rows: list[dict[str, Any]], make_env: EnvFacto
     processor = load_processor("qwen2.5-vl") if config.vision else None
     tokenizer = processor.tokenizer if processor is not None else load_tokenizer(config.tokenizer, config.chat_template)
     encoder = ChatEncoder(tokenizer, processor=processor)
-    sampling, limits = config.sampling(encoder.stop_token_ids), config.limits()
-    limiter = anyio.CapacityLimiter(config.concurrency)
     finished: list[Trajectory] = []
     started = time.monotonic()
-
     async with AsyncExitStack() as stack:
         backend = await stack.enter_async_context(_backend(config, tokenizer, processor))
         if not await backend.health():
@@ -99,34 +103,30 @@ async def _run(config: RunConfig, rows: list[dict[str, Any]], make_env: EnvFacto
             )
             return 2
         sink = stack.enter_context(nullcontext(sys.stdout) if out == "-" else _open_out(out))
-
-        async def one(index: int, row: dict[str, Any]) -> None:
-            async with limiter:
-                trajectory = Trajectory(prompt=row["prompt"], group_id=index, metadata=dict(row.get("metadata") or {}))
-                sample = EnvSample.from_row(row, index=index, group_index=index)
-                try:
-                    env = make_env(sample)
-                except EnvLoadError as exc:  # build_env failed for this sample: this trajectory fails
-                    trajectory.finish(record_failure(trajectory, exc))
-                else:
-                    await run_trajectory(
-                        trajectory, backend=backend, env=env, encoder=encoder, sampling=sampling, limits=limits
-                    )
-            sink.write(json.dumps(trajectory.to_record(), default=str) + "\n")
-            finished.append(trajectory)
-
-        async with anyio.create_task_group() as tg:
-            for index, row in enumerate(rows):
-                tg.start_soon(one, index, row)
+        engine = RolloutEngine(
+            backend=backend,
+            encoder=encoder,
+            env_factory=make_env,
+            source=rows,
+            config=config.engine(encoder.stop_token_ids),
+        )
+        async with engine:
+            async for group in engine.stream():
+                for trajectory in group.trajectories:
+                    sink.write(json.dumps(trajectory.to_record(), default=str) + "\n")
+                finished.extend(group.trajectories)
     _summary(finished, time.monotonic() - started, out)
     return 1 if finished and all(t.stop_reason in FAILED_REASONS for t in finished) else 0
 
 
-def _backend(config: RunConfig, tokenizer: Any, processor: Any):
+def _backend(config: RunConfig, tokenizer: Any, processor: Any) -> Backend:
     if config.backend.kind == "sglang":
+        from engine.backends.pool import BackendPool
         from engine.backends.sglang import SGLangBackend
 
-        return SGLangBackend(config.backend.url, timeout=config.backend.timeout)
+        urls = [url.strip() for url in config.backend.url.split(",") if url.strip()]
+        servers = [SGLangBackend(url, timeout=config.backend.timeout) for url in urls]
+        return servers[0] if len(servers) == 1 else BackendPool(servers)
     from engine.backends.local import LocalBackend
     from engine.models import load_model
 

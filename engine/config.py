@@ -10,6 +10,9 @@ import yaml
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
 from engine.backends.base import SamplingParams
+from engine.engine import EngineConfig
+from engine.scheduler.queue import Policy
+from engine.scheduler.retry import RetryPolicy
 from engine.turn import TurnLimits
 
 
@@ -18,7 +21,7 @@ class BackendConfig(BaseModel):
 
     kind: Literal["local", "sglang"] = "local"
     model: str = "tiny-qwen2"  # local: a tiny model name or a saved model's directory
-    url: str | None = None  # sglang: the server (or sglang-router) base URL
+    url: str | None = None  # sglang: the server (or sglang-router) URL; several, comma-separated, form a pool
     timeout: float = 600.0
     max_batch_size: PositiveInt = 64
 
@@ -48,7 +51,12 @@ class RunConfig(BaseModel):
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = -1
-    concurrency: PositiveInt = 32  # trajectories run at once
+    n_samples_per_prompt: PositiveInt = 1
+    max_inflight: PositiveInt = 64  # trajectories admitted and not yet ended
+    max_generating: PositiveInt = 32  # concurrent generate requests
+    max_env_steps: PositiveInt = 16  # concurrent env steps
+    policy: Policy = Policy.GROUP_COMPLETION
+    retry: RetryPolicy = RetryPolicy()
     seed: int = 0
     backend: BackendConfig = BackendConfig()
 
@@ -69,4 +77,17 @@ class RunConfig(BaseModel):
             top_p=self.top_p,
             top_k=self.top_k,
             stop_token_ids=stop_token_ids,
+        )
+
+    def engine(self, stop_token_ids: tuple[int, ...]) -> EngineConfig:
+        return EngineConfig(
+            n_samples_per_prompt=self.n_samples_per_prompt,
+            max_inflight=max(self.max_inflight, self.n_samples_per_prompt),
+            max_generating=self.max_generating,
+            max_env_steps=self.max_env_steps,
+            policy=self.policy,
+            limits=self.limits(),
+            sampling=self.sampling(stop_token_ids),
+            retry=self.retry,
+            seed=self.seed,
         )

@@ -145,12 +145,13 @@ class RolloutEngine:
         goal = max(1, self.config.max_inflight // self.config.n_samples_per_prompt)
         while True:
             self._admit(goal)
-            while self._done:
+            if self._done:
                 self._counts["returned"] += 1
                 yield self._done.popleft()
-            if self._exhausted and not self._open:
+            elif self._exhausted and not self._open:
                 return
-            await self._wait_for_change()
+            else:
+                await self._wait_for_change()
 
     async def pause(self) -> None:
         """Stop generation for a weight update: requests in flight are aborted and keep their tokens;

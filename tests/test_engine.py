@@ -152,6 +152,20 @@ async def test_stream_yields_every_group_once(encoder):
 
 
 @pytest.mark.anyio
+async def test_stream_ends_when_the_source_runs_dry_exactly_at_the_inflight_limit(encoder):
+    prompts = (row for row in rows(2, turns=1))  # a generator: dry only once asked for more
+    async with RolloutEngine(
+        backend=DeterministicBackend(),
+        encoder=encoder,
+        env_factory=env_factory(),
+        source=prompts,
+        config=config(max_inflight=4),
+    ) as engine:
+        with anyio.fail_after(10):
+            assert sorted([g.group_id async for g in engine.stream()]) == [0, 1]
+
+
+@pytest.mark.anyio
 async def test_a_slow_env_step_holds_no_generation_slot(encoder):
     """One generation slot, one trajectory stuck in its env step: the others still generate and finish."""
     gate = threading.Event()
@@ -290,13 +304,16 @@ async def test_pause_stops_generation_while_env_steps_go_on(encoder):
     gate = threading.Event()
     envs: dict = {}
     backend = DeterministicBackend()
-    async with RolloutEngine(
-        backend=backend,
-        encoder=encoder,
-        env_factory=env_factory(envs, gate=gate),
-        source=rows(1),
-        config=config(n_samples_per_prompt=1),
-    ) as engine, anyio.create_task_group() as tg:
+    async with (
+        RolloutEngine(
+            backend=backend,
+            encoder=encoder,
+            env_factory=env_factory(envs, gate=gate),
+            source=rows(1),
+            config=config(n_samples_per_prompt=1),
+        ) as engine,
+        anyio.create_task_group() as tg,
+    ):
         tg.start_soon(engine.rollout, 1)
         while engine.statistics().scheduler.env.borrowed == 0:  # until the first env step is under way
             await anyio.wait_all_tasks_blocked()

@@ -16,6 +16,7 @@ under a timeout, so a blocking env (a subprocess, a sandbox call) never stalls t
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -154,7 +155,8 @@ class EnvRunner:
         async_fn = getattr(self.env, f"a{method}", None)
         sync_fn = getattr(self.env, method, None)
         result = None
-        with anyio.move_on_after(None if method == "close" else self.step_timeout) as scope:
+        timeout = None if method == "close" else self.step_timeout
+        with anyio.move_on_after(timeout) if timeout is not None else _NO_TIMEOUT as scope:
             try:
                 if inspect.iscoroutinefunction(async_fn):
                     result = await async_fn(*args)
@@ -166,10 +168,13 @@ class EnvRunner:
                 raise EnvError(ErrorClass.ENV_RETRYABLE, f"env {self.name}.{method} asked for a retry: {exc}") from exc
             except Exception as exc:
                 raise EnvError(ErrorClass.ENV_EXCEPTION, f"env {self.name}.{method} raised {exc!r}") from exc
-        if scope.cancelled_caught:
+        if scope is not None and scope.cancelled_caught:
             self.timed_out = True
             raise EnvError(ErrorClass.ENV_TIMEOUT, f"env {self.name}.{method} timed out after {self.step_timeout}s")
         return result
+
+
+_NO_TIMEOUT = contextlib.nullcontext()
 
 
 def _short(value: Any) -> str:

@@ -41,8 +41,8 @@ class VersionClock:
         return self._index[self.current] - self.index(version)
 
     def staleness(self, trajectory: Trajectory) -> int:
-        """Age of the trajectory's oldest tokens (0 when it has generated nothing)."""
-        return max((self.age(span.weight_version) for span in trajectory.spans), default=0)
+        """Age of the trajectory's oldest tokens, its first span's (0 when it has generated nothing)."""
+        return self.age(trajectory.spans[0].weight_version) if trajectory.spans else 0
 
 
 def mask_offpolicy(trajectory: Trajectory, clock: VersionClock) -> int:
