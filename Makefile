@@ -23,3 +23,5 @@ bench: $(INSTALLED)
 	$(VENV)/bin/python -m benchmarks.trajectory_memory --out reports/trajectory_memory.json
 	$(VENV)/bin/python -m benchmarks.local_concurrency --out reports/local_concurrency.json
 	$(VENV)/bin/python -m benchmarks.mm_merge --out reports/mm_merge.json
+	$(VENV)/bin/python -m benchmarks.overhead --out reports/overhead
+	$(VENV)/bin/python -m benchmarks.longtail --size large --out reports/longtail

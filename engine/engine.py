@@ -33,7 +33,7 @@ from engine.scheduler.queue import Policy
 from engine.scheduler.retry import CircuitBreaker, RetryPolicy
 from engine.scheduler.scheduler import Scheduler, SchedulerStatistics
 from engine.source import PromptSource, RowSource
-from engine.trajectory import Group, Trajectory
+from engine.trajectory import Group, Status, Trajectory
 from engine.turn import TurnLimits, record_failure
 
 GroupFilter = Callable[[Group], str | None]  # a reason to drop the group, or None to keep it
@@ -163,10 +163,21 @@ class RolloutEngine:
         await self.scheduler.wait_until_parked()
 
     async def resume(self, weight_version: str | None = None) -> None:
-        """Generate again, with `weight_version` (default: what the backend reports); paused ones first."""
+        """Generate again, with `weight_version` (default: what the backend reports); paused ones first.
+
+        With `on_stale="restart"`, finished trajectories not yet returned (members of an open group, or
+        of a finished group waiting for a step) whose tokens are now more than `max_staleness` versions
+        old run again, so no returned token is older than the bound."""
         if weight_version is None:
             weight_version = await self.backend.weight_version()
         self.scheduler.resume_generation(weight_version)
+        if self.config.on_stale == "restart":
+            self._rerun_stale()
+
+    @property
+    def weight_version(self) -> str | None:
+        """The version generation runs with now (the last one resumed with, or reported by the backend)."""
+        return self.scheduler.clock.current
 
     def statistics(self) -> EngineStatistics:
         return EngineStatistics(
@@ -184,6 +195,11 @@ class RolloutEngine:
     def open_groups(self) -> list[Group]:
         """Groups admitted and not finished: running, or paused between steps."""
         return list(self._open.values())
+
+    @property
+    def held_groups(self) -> list[Group]:
+        """Every group admitted and not yet returned: finished ones waiting for a step, then open ones."""
+        return [*self._done, *self._open.values()]
 
     # -- admission and groups ---------------------------------------------------------------------
     def _admit(self, goal: int) -> None:
@@ -210,6 +226,29 @@ class RolloutEngine:
         self._num_inflight += len(members)
         for trajectory in members:
             self._tasks.start_soon(self._run, group, trajectory)
+
+    def _rerun_stale(self) -> None:
+        trained = (Status.COMPLETED, Status.TRUNCATED)  # failed ones are masked out in training anyway
+        too_old = lambda t: t.status in trained and self.scheduler.clock.staleness(t) > self.config.max_staleness  # noqa: E731
+        for group in [g for g in self._done if any(too_old(t) for t in g.trajectories)]:
+            self._done.remove(group)  # back in flight until its stale members have run again
+            self._open[group.group_id] = group
+        for group in list(self._open.values()):
+            for index, trajectory in enumerate(group.trajectories):
+                if too_old(trajectory):
+                    self._rerun(group, index)
+
+    def _rerun(self, group: Group, index: int) -> None:
+        """Replace an ended member with a fresh run of the same prompt (its tokens are discarded)."""
+        old = group.trajectories[index]
+        self.scheduler.count_discarded(old)
+        fresh = Trajectory(
+            prompt=old.prompt, group_id=old.group_id, index=index, metadata=dict(group.row.get("metadata") or {})
+        )
+        fresh.metadata["num_restarts"] = old.metadata.get("num_restarts", 0) + 1
+        group.trajectories[index] = fresh
+        self._num_inflight += 1
+        self._tasks.start_soon(self._run, group, fresh)
 
     async def _run(self, group: Group, trajectory: Trajectory) -> None:
         try:

@@ -279,6 +279,33 @@ async def test_too_stale_trajectories_restart_or_finish(encoder, on_stale):
 
 
 @pytest.mark.anyio
+async def test_finished_members_of_a_group_gone_too_stale_run_again(encoder):
+    """No returned token is older than max_staleness: a member that ended before an update, in a group
+    still open after it, is run again."""
+    backend = DeterministicBackend(stop_every=30)
+
+    def build(sample):  # member 0 ends after one turn, member 1 runs long
+        return EnvRunner(TurnsEnv(1 if sample.index == 0 else 4, reward=float(sample.index)))
+
+    cfg = config(partial_rollout=True, over_sampling=3.0, max_staleness=0, sampling=SamplingParams(max_new_tokens=64))
+    async with RolloutEngine(backend=backend, encoder=encoder, env_factory=build, source=rows(6), config=cfg) as engine:
+        await engine.rollout(1)
+        await engine.wait_until_parked()
+        stale = {(g.group_id, t.index): t for g in engine.open_groups for t in g.trajectories if t.is_ended}
+        assert stale
+        backend.version = "v1"
+        await engine.resume("v1")
+        groups = [g async for g in engine.stream()]
+        stats = engine.statistics().scheduler
+    for group in groups:
+        for trajectory in group.trajectories:
+            if (group.group_id, trajectory.index) in stale:
+                assert trajectory is not stale[(group.group_id, trajectory.index)]
+                assert trajectory.metadata["num_restarts"] == 1 and set(trajectory.weight_versions) == {"v1"}
+    assert stats.num_restarted >= len(stale)
+
+
+@pytest.mark.anyio
 async def test_mask_offpolicy_zeroes_tokens_from_before_the_update(encoder):
     backend = DeterministicBackend(stop_every=30)
     cfg = config(
@@ -387,6 +414,33 @@ async def test_env_errors_retry_as_is_or_replay(encoder, replay_safe):
         assert env.resets == 2 and env.seen[0] == env.seen[1] and len(env.seen) == 4
     else:
         assert env.resets == 1 and len(env.seen) == 3
+
+
+@pytest.mark.anyio
+async def test_an_env_step_past_its_timeout_is_retried_and_the_trajectory_goes_on(encoder):
+    gate = threading.Event()
+
+    class SlowOnce(TurnsEnv):
+        def step(self, response_text):
+            if self.attempts == 0:
+                self.attempts += 1
+                gate.wait(timeout=30)  # the first attempt hangs until the test ends
+                raise AssertionError("abandoned attempt returned")
+            self.gate = None  # later attempts answer at once
+            return super().step(response_text)
+
+    retry = RetryPolicy(backoff_base_s=0.0, env_step_timeout_s=0.2)
+    try:
+        async with RolloutEngine(
+            backend=DeterministicBackend(), encoder=encoder, env_factory=lambda s: EnvRunner(SlowOnce(2, gate=gate)),
+            source=rows(1), config=config(n_samples_per_prompt=1, retry=retry),
+        ) as engine:  # fmt: skip
+            [group] = await engine.rollout(1)
+            stats = engine.statistics().scheduler
+    finally:
+        gate.set()
+    [trajectory] = group.trajectories
+    assert trajectory.status is Status.COMPLETED and stats.retries == {ErrorClass.ENV_TIMEOUT: 1}
 
 
 @pytest.mark.anyio

@@ -37,7 +37,8 @@ DEFAULT_PER_TURN = {
 
 
 class RetryPolicy(BaseModel):
-    """Budgets and backoff. `per_turn` maps an error class to the retries one turn may spend on it."""
+    """Budgets, backoff and the env step timeout. `per_turn` maps an error class to the retries one turn
+    may spend on it (classes not listed get none)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -45,6 +46,7 @@ class RetryPolicy(BaseModel):
     per_trajectory: int = Field(8, ge=0)
     backoff_base_s: float = Field(0.2, ge=0)
     backoff_max_s: float = Field(10.0, ge=0)
+    env_step_timeout_s: float | None = Field(300.0, gt=0)  # for env runners built without a timeout of their own
 
     def backoff(self, attempt: int, rng: random.Random) -> float:
         """Seconds before retry number `attempt` (0-based): uniform in [0, min(max, base * 2**attempt)]."""

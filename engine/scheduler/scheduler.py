@@ -104,6 +104,8 @@ class Scheduler:
         """Run `trajectory` to its end. It ends in exactly one terminal status; while generation is
         paused it waits, PAUSED, with its env and its turn state."""
         env.limiter = self._env_threads
+        if env.step_timeout is None:
+            env.step_timeout = self.retry.env_step_timeout_s
         budget = RetryBudget(self.retry)
         stop: StopReason | None = None
         try:
@@ -219,10 +221,15 @@ class Scheduler:
 
     async def _restart(self, trajectory: Trajectory, env: EnvRunner, budget: RetryBudget) -> None:
         """Too stale to resume: discard the tokens and start again from the prompt, env reset."""
-        self._counts["restarted"] += 1
-        self._counts["discarded_tokens"] += trajectory.restart()
+        self.count_discarded(trajectory)
+        trajectory.restart()
         encode_prompt(trajectory, self.encoder)
         await self._env_call(trajectory, budget, env.reset)
+
+    def count_discarded(self, trajectory: Trajectory) -> None:
+        """A trajectory thrown away whole to run again (an ended member of a group gone too stale)."""
+        self._counts["restarted"] += 1
+        self._counts["discarded_tokens"] += trajectory.num_generated
 
     def _charge(self, trajectory: Trajectory, budget: RetryBudget, error: TurnError) -> int:
         """Spend a retry on `error`, or raise it (noting the spent budget) when none is left."""

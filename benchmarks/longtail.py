@@ -1,0 +1,253 @@
+"""Long-tail benchmark: slime-style rollout versus Turnstile's turn-level scheduler, side by side.
+
+    python -m benchmarks.longtail --size small|large --out DIR
+
+One process run starts a simulated SGLang server (benchmarks/simserver.py, its own process: SGLang's
+HTTP API, continuous-batching timing, heavy-tailed response lengths) and runs the same seeded
+workload (benchmarks/workload.py: a blocking env with heavy-tailed latency and failures) under each
+policy, for two envs: ~1 ms and ~30 ms per step.
+
+  slime_style   one coroutine per trajectory holding a concurrency slot throughout, env steps
+                blocking the event loop, a barrier per step, no partial rollout (longtail_slime.py)
+  turn          Turnstile: turn-level slots, no partial rollout (longtail_turnstile.py)
+  turn_partial  Turnstile: turn-level slots, partial rollout (over-sampling, pause, resume)
+
+Every policy does the same weight update between steps. Per policy (report.json, report.md):
+  trained_tokens_per_s      model tokens (loss mask 1) of non-FAILED samples handed to the trainer,
+                            over the policy's wall time
+  step_seconds_p50 / p99    time of each rollout step
+  backend_utilization       time-integral of running requests / (the server's cap x wall time)
+  backend_busy_fraction     share of wall time with at least one request running
+  mean_batch_size           running requests, time-averaged while busy
+  discarded_token_fraction  (generated - trained - unfinished) / generated, generated counted by the server
+  unfinished_token_fraction model tokens still held at the end (paused, or done and not yet returned)
+  stale_le1_fraction        share of trained tokens at most one weight version behind the trainer
+DIR also gets timeline.png (a sample of trajectories of one step per policy) and throughput.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import select
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+
+from benchmarks.longtail_common import PolicyRun, Setup, TimedBackend, build_timeline, summarize
+from benchmarks.simserver import SimConfig
+from benchmarks.workload import Workload
+from engine.backends.base import SamplingParams
+from engine.backends.sglang import SGLangBackend
+from engine.encoding import ChatEncoder
+from engine.turn import TurnLimits
+
+POLICIES = ("slime_style", "turn", "turn_partial")
+HEADLINE = "env_30ms"
+REPO = Path(__file__).resolve().parents[1]
+NOTES = [
+    "slime_style is generous to slime: an env exception fails only its trajectory. slime at HEAD lets it "
+    "propagate out of generate_rollout, and the whole rollout step is lost.",
+    "slime_style decodes response text on the client with the same ChatEncoder as Turnstile; the "
+    "simulated server's `text` is a placeholder.",
+    "Turnstile retries env failures within its budgets (EnvRetryableError and other exceptions); "
+    "slime_style does not retry, as slime does not.",
+    "Each policy starts from a reset server (weights v0, empty prefix cache, fresh model variants); the "
+    "server flushes its prefix cache on every weight update, as SGLang does, so resumed trajectories "
+    "pay their prefill again.",
+    "Staleness of a trained token: the trainer's version when the step returns (the server's, before "
+    "the update) minus the version that generated it, from Trajectory.spans.",
+    "Unfinished tokens (held by Turnstile at the end: paused, or in groups done and not yet returned) "
+    "are neither trained nor discarded; over a longer run they are trained in the next step.",
+]
+
+
+@dataclass(frozen=True)
+class Size:
+    """A benchmark configuration. Each rollout step asks for `target_groups` groups of `n_samples`
+    (twice the server's cap on running requests in `large`). Over-sampling trades utilization against
+    staleness: at 2.0 more groups straddle two weight updates, and the members that finished early
+    wait for their stragglers, so more trained tokens are two versions old (the engine bounds
+    staleness for trajectories that resume, not for finished members of an open group); "oldest"
+    serves the trajectories admitted first, which bounds that tail."""
+
+    target_groups: int
+    num_steps: int
+    n_samples: int = 8
+    over_sampling: float = 1.75  # Turnstile with partial rollout keeps target x this many groups in flight
+    scheduling: str = "oldest"  # Turnstile's priority policy: fifo | group_completion | oldest
+    max_env_steps: int = 64
+    max_new_tokens: int = 1024  # per turn
+    max_tokens: int = 8192  # per trajectory, generated + observation tokens
+    env_medians: dict[str, float] = field(default_factory=lambda: {"env_1ms": 0.001, HEADLINE: 0.03})
+    server: SimConfig = SimConfig()
+
+
+SIZES = {
+    "small": Size(
+        target_groups=4,
+        num_steps=3,
+        n_samples=4,
+        max_new_tokens=512,
+        max_tokens=4096,
+        server=SimConfig(max_running=16, median_tokens=20.0, max_turn_tokens=200),
+    ),
+    "large": Size(target_groups=16, num_steps=10, server=SimConfig(max_running=64)),
+}
+
+
+def sized(name: str, **overrides: Any) -> Size:
+    """A size by name, with fields replaced (`server` overrides go into its SimConfig)."""
+    base = SIZES[name]
+    server = overrides.pop("server", {})
+    return Size(**{**{f.name: getattr(base, f.name) for f in fields(Size)}, **overrides,
+                   "server": SimConfig(**{**asdict(base.server), **server})})  # fmt: skip
+
+
+@contextlib.contextmanager
+def sim_server(config: SimConfig, *, timeout: float = 30.0) -> Iterator[str]:
+    """Start `python -m benchmarks.simserver` on a free port; yields its URL; stops it at exit."""
+    flags = []
+    for name, value in asdict(config).items():
+        flag = "--" + name.replace("_", "-")
+        flags += [flag if value else "--no-" + flag[2:]] if isinstance(value, bool) else [flag, str(value)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    command = [sys.executable, "-m", "benchmarks.simserver", "--port", "0", *flags]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, cwd=REPO, env=env)
+    try:
+        ready, _, _ = select.select([process.stdout], [], [], timeout)
+        line = process.stdout.readline() if ready else ""
+        if not line.startswith("listening on "):
+            raise RuntimeError(f"the simulated server did not start (exit code {process.poll()}, said {line!r})")
+        yield line.split()[-1]
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+async def _post(url: str, path: str, body: dict[str, Any] | None = None) -> None:
+    async with httpx.AsyncClient(base_url=url, trust_env=False) as client:
+        (await client.post(path, json=body or {})).raise_for_status()
+
+
+async def run_policy(name: str, setup: Setup) -> PolicyRun:
+    await _post(setup.server_url, "/sim/reset", {"weight_version": "v0"})
+    setup.reset_records()
+    await _post(setup.server_url, "/stats/reset")
+    if name == "slime_style":
+        from benchmarks.longtail_slime import run_slime_style
+
+        return await run_slime_style(setup)
+    from benchmarks.longtail_turnstile import run_turnstile
+
+    return await run_turnstile(setup, partial=name == "turn_partial")
+
+
+async def run_benchmark(
+    size: Size, *, seed: int = 0, policies: tuple[str, ...] = POLICIES, log=print
+) -> dict[str, Any]:
+    """Run every workload of `size` under every policy; the report as a dict (timelines included)."""
+    from engine.models import load_tokenizer
+
+    encoder = ChatEncoder(load_tokenizer("qwen2.5"))
+    sampling = SamplingParams(max_new_tokens=size.max_new_tokens, stop_token_ids=encoder.stop_token_ids)
+    report: dict[str, Any] = {"workloads": {}, "timelines": {}}
+    with sim_server(size.server) as url:
+        async with SGLangBackend(url, timeout=600.0) as backend:
+            await backend.wait_until_healthy(30.0, poll_interval=0.1)
+            for workload_name, median in size.env_medians.items():
+                workload = Workload(workload_name, env_median_s=median, seed=seed)
+                setup = Setup(
+                    backend=TimedBackend(backend), encoder=encoder, workload=workload, sampling=sampling,
+                    limits=TurnLimits(max_turns=workload.max_turns, max_tokens=size.max_tokens),
+                    n_samples=size.n_samples, num_steps=size.num_steps, target_groups=size.target_groups,
+                    concurrency=size.server.max_running, max_env_steps=size.max_env_steps,
+                    over_sampling=size.over_sampling, scheduling=size.scheduling, server_url=url,
+                )  # fmt: skip
+                results, timelines = {}, {}
+                for policy in policies:
+                    run = await run_policy(policy, setup)
+                    results[policy] = summarize(run)
+                    timelines[policy] = build_timeline(run, setup, step=min(1, len(run.returned) - 1))
+                    log(f"{workload_name:9} {policy:13} {_line(results[policy])}")
+                report["workloads"][workload_name] = {"env_median_s": median, "policies": results}
+                report["timelines"][workload_name] = timelines
+    headline = HEADLINE if HEADLINE in report["workloads"] else next(iter(report["workloads"]))
+    report["policies"] = report["workloads"][headline]["policies"]
+    report["headline_workload"] = headline
+    workload = {k: v for k, v in asdict(Workload("", 0.0, seed=seed)).items() if k not in ("name", "env_median_s")}
+    report["config"] = {"seed": seed, **asdict(size), "workload": workload}
+    report["notes"] = NOTES
+    return report
+
+
+def _line(m: dict[str, Any]) -> str:
+    return (
+        f"{m['trained_tokens_per_s']:8.0f} tok/s  "
+        f"step p50 {m['step_seconds_p50']:6.2f}s p99 {m['step_seconds_p99']:6.2f}s  "
+        f"util {m['backend_utilization']:.2f} busy {m['backend_busy_fraction']:.2f}  "
+        f"discarded {m['discarded_token_fraction']:.3f}  stale<=1 {m['stale_le1_fraction']:.3f}"
+    )
+
+
+def write_outputs(report: dict[str, Any], out: Path) -> None:
+    from benchmarks.longtail_report import plot_throughput, plot_timeline, write_markdown
+
+    out.mkdir(parents=True, exist_ok=True)
+    timelines = report.pop("timelines")
+    (out / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    (out / "timelines.json").write_text(json.dumps(timelines) + "\n")
+    write_markdown(report, out / "report.md")
+    plot_throughput(report, out / "throughput.png")
+    plot_timeline(timelines[report["headline_workload"]], out / "timeline.png", title=report["headline_workload"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--size", choices=sorted(SIZES), default="small")
+    parser.add_argument("--out", type=Path, default=Path("longtail-report"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
+    parser.add_argument(
+        "--scheduling", choices=["fifo", "group_completion", "oldest"], help="Turnstile's priority policy"
+    )
+    parser.add_argument("--over-sampling", type=float, help="Turnstile's over-sampling with partial rollout")
+    parser.add_argument("--steps", type=int, help="rollout steps per policy")
+    parser.add_argument("--env", choices=["env_1ms", HEADLINE], help="run one workload only")
+    args = parser.parse_args(argv)
+    overrides: dict[str, Any] = {
+        key: value
+        for key, value in (
+            ("scheduling", args.scheduling),
+            ("over_sampling", args.over_sampling),
+            ("num_steps", args.steps),
+        )
+        if value is not None
+    }
+    if args.env:
+        overrides["env_medians"] = {args.env: SIZES[args.size].env_medians[args.env]}
+    size = sized(args.size, **overrides)
+    started = time.monotonic()
+    report = anyio.run(lambda: run_benchmark(size, seed=args.seed, policies=tuple(args.policies)))
+    report["size"] = args.size
+    report["total_seconds"] = time.monotonic() - started
+    write_outputs(report, args.out)
+    print(f"wrote {args.out}/report.json, report.md, timeline.png, throughput.png in {report['total_seconds']:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
