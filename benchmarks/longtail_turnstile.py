@@ -1,7 +1,7 @@
 """The two Turnstile policies: turn-level scheduling, without and with partial rollout.
 
 Both drive the same `RolloutEngine` (engine/engine.py) with generation slots equal to the baseline's
-concurrency, group-completion priority and the env's blocking `step` in worker threads (the
+concurrency, the size's priority policy and the env's blocking `step` in worker threads (the
 engine's EnvRunner). With partial rollout a step keeps `target * over_sampling` groups in flight,
 returns once `target` are done, and keeps the rest paused, envs and all, for the next step;
 trajectories more than one weight version stale when they resume start again.
@@ -66,8 +66,7 @@ async def run_turnstile(setup: Setup, *, partial: bool) -> PolicyRun:
                 await engine.resume(f"v{step + 1}")
         run.wall_seconds = time.monotonic() - run.started
         run.server = await setup.server_stats()
-        held = [*engine.open_groups, *getattr(engine, "_done", ())]  # no public view of done, unreturned groups
-        run.unfinished = [t for group in held for t in group.trajectories]
+        run.unfinished = [t for group in engine.held_groups for t in group.trajectories]
         run.engine = _statistics(engine)
     return run
 

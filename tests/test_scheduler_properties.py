@@ -110,7 +110,7 @@ async def run_workload(encoder: ChatEncoder, w: dict) -> None:
             await engine.wait_until_parked()
         stats = engine.statistics()
         held_open = engine.open_groups
-        held_done = list(engine._done)
+        held_done = [g for g in engine.held_groups if g.is_done]
 
         # every admitted prompt: exactly one of returned, finished-and-held, or open (paused)
         ids = [g.group_id for g in returned] + [g.group_id for g in held_done] + [g.group_id for g in held_open]
