@@ -155,7 +155,7 @@ async def run_trajectory(
         stop = StopReason.ABORTED
         raise
     finally:
-        await _close(env, trajectory)
+        await close_env(env, trajectory)
         trajectory.finish(stop or StopReason.ABORTED)
         trajectory.check_invariant()
     return trajectory
@@ -167,8 +167,9 @@ def record_failure(trajectory: Trajectory, error: TurnError) -> StopReason:
     return StopReason.BACKEND_ERROR if error.stage is Stage.BACKEND else StopReason.ENV_ERROR
 
 
-async def _close(env: EnvRunner, trajectory: Trajectory) -> None:
-    """Close the env; a failing close is recorded on the trajectory but does not change its outcome."""
+async def close_env(env: EnvRunner, trajectory: Trajectory) -> None:
+    """Close the env (shielded, bounded); a failing close is recorded on the trajectory but does not
+    change its outcome."""
     try:
         await env.close()
     except TurnError as exc:

@@ -30,7 +30,7 @@ from engine.scheduler.partial import VersionClock
 from engine.scheduler.queue import LimiterStatistics, Policy, PriorityLimiter, priority_key
 from engine.scheduler.retry import BreakerStatistics, CircuitBreaker, RetryBudget, RetryPolicy
 from engine.trajectory import Status, StopReason, Trajectory
-from engine.turn import TurnLimits, encode_prompt, env_turn, generate_turn, out_of_room, record_failure
+from engine.turn import TurnLimits, close_env, encode_prompt, env_turn, generate_turn, out_of_room, record_failure
 
 log = logging.getLogger(__name__)
 
@@ -126,11 +126,7 @@ class Scheduler:
             stop = StopReason.ABORTED
             raise
         finally:
-            with anyio.CancelScope(shield=True):
-                try:
-                    await env.close()
-                except TurnError as exc:
-                    trajectory.errors.append(exc.record(len(trajectory.turns)))
+            await close_env(env, trajectory)
             trajectory.finish(stop or StopReason.ABORTED)
             if budget.total:
                 trajectory.metadata["retries"] = {str(cls): n for cls, n in budget.by_class.items()}
