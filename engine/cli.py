@@ -27,6 +27,9 @@ from engine.config import BackendConfig, RunConfig
 from engine.encoding import ChatEncoder
 from engine.engine import RolloutEngine
 from engine.envs.loader import EnvFactory
+from engine.metrics.live import LiveView
+from engine.metrics.logging import TurnLogger
+from engine.metrics.recorder import MetricsRecorder
 from engine.scheduler.queue import Policy
 from engine.source import jsonl_rows
 from engine.trajectory import StopReason, Trajectory
@@ -50,10 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     for flag in ("tokenizer", "chat-template", "env-path"):
         run.add_argument(f"--{flag}")
     run.add_argument("--policy", choices=[p.value for p in Policy], help="which ready turn goes next")
+    run.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="turn logs (default warning)")
     run.add_argument("--vision", action="store_true", default=None, help="VLM: Qwen2.5-VL processor and model")
     numbers = {"max-turns": int, "max-tokens": int, "max-new-tokens": int, "max-context-len": int,
                "temperature": float, "seed": int, "env-step-timeout": float, "n-samples-per-prompt": int,
-               "max-inflight": int, "max-generating": int, "max-env-steps": int}  # fmt: skip
+               "max-inflight": int, "max-generating": int, "max-env-steps": int, "metrics-port": int,
+               "log-sample": float}  # fmt: skip
     for flag, kind in numbers.items():
         run.add_argument(f"--{flag}", type=kind)
     args = parser.parse_args(argv)
@@ -103,18 +108,25 @@ async def _run(config: RunConfig, rows: list[dict[str, Any]], make_env: EnvFacto
             )
             return 2
         sink = stack.enter_context(nullcontext(sys.stdout) if out == "-" else _open_out(out))
+        recorder = MetricsRecorder()
+        observers = (recorder, TurnLogger(level=config.log_level, sample=config.log_sample))
         engine = RolloutEngine(
             backend=backend,
             encoder=encoder,
             env_factory=make_env,
             source=rows,
             config=config.engine(encoder.stop_token_ids),
+            observers=observers,
         )
-        async with engine:
+        async with engine, anyio.create_task_group() as view:
+            if engine.exporter is not None:
+                print(f"turnstile: metrics at {engine.exporter.url}", file=sys.stderr)
+            view.start_soon(LiveView(engine, recorder, total_groups=len(rows)).run)
             async for group in engine.stream():
                 for trajectory in group.trajectories:
                     sink.write(json.dumps(trajectory.to_record(), default=str) + "\n")
                 finished.extend(group.trajectories)
+            view.cancel_scope.cancel()
     _summary(finished, time.monotonic() - started, out)
     return 1 if finished and all(t.stop_reason in FAILED_REASONS for t in finished) else 0
 

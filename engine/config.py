@@ -57,6 +57,9 @@ class RunConfig(BaseModel):
     max_env_steps: PositiveInt = 16  # concurrent env steps
     policy: Policy = Policy.GROUP_COMPLETION
     retry: RetryPolicy = RetryPolicy()
+    metrics_port: int | None = None  # serve Prometheus /metrics on 127.0.0.1:<port> while running
+    log_level: Literal["debug", "info", "warning", "error"] = "warning"  # turn and trajectory events
+    log_sample: float = Field(1.0, gt=0, le=1)  # share of turn events written
     seed: int = 0
     backend: BackendConfig = BackendConfig()
 
@@ -89,5 +92,6 @@ class RunConfig(BaseModel):
             limits=self.limits(),
             sampling=self.sampling(stop_token_ids),
             retry=self.retry,
+            metrics_port=self.metrics_port,
             seed=self.seed,
         )

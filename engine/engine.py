@@ -15,11 +15,12 @@ pauses the rest, which resume first in the next step with their envs and turn st
 from __future__ import annotations
 
 import math
+import time
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt
@@ -28,6 +29,9 @@ from engine.backends.base import Backend, SamplingParams
 from engine.encoding import ChatEncoder
 from engine.envs.base import EnvRunner
 from engine.envs.loader import EnvLoadError, EnvSample
+from engine.metrics.events import Observer
+from engine.metrics.recorder import MetricsRecorder
+from engine.metrics.summary import step_summary
 from engine.scheduler.partial import mask_offpolicy
 from engine.scheduler.queue import Policy
 from engine.scheduler.retry import CircuitBreaker, RetryPolicy
@@ -35,6 +39,9 @@ from engine.scheduler.scheduler import Scheduler, SchedulerStatistics
 from engine.source import PromptSource, RowSource
 from engine.trajectory import Group, Status, Trajectory
 from engine.turn import TurnLimits, record_failure
+
+if TYPE_CHECKING:
+    from engine.metrics.prometheus import MetricsExporter
 
 GroupFilter = Callable[[Group], str | None]  # a reason to drop the group, or None to keep it
 
@@ -59,6 +66,9 @@ class EngineConfig(BaseModel):
     breaker_threshold: float = Field(0.5, gt=0, le=1)
     breaker_window_s: float = Field(30.0, gt=0)
     breaker_min_attempts: PositiveInt = 20
+    drift_check_every: NonNegativeInt = 0  # re-render 1 finished trajectory in N and count drift (0: never)
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None  # serve Prometheus /metrics here (0: any free port; None: not at all)
     seed: int = 0
 
 
@@ -85,8 +95,16 @@ class RolloutEngine:
         config: EngineConfig | None = None,
         reward_fn: Callable[[Trajectory], Any] | None = None,
         group_filter: GroupFilter | None = None,
+        observers: Sequence[Observer] = (),
     ):
         config = config or EngineConfig()
+        self.recorder = next((o for o in observers if isinstance(o, MetricsRecorder)), None)
+        if self.recorder is None and config.metrics_port is not None:
+            self.recorder = MetricsRecorder()
+            observers = (*observers, self.recorder)
+        if self.recorder is not None:
+            self.recorder.staleness_bound = config.max_staleness
+        self.observers = tuple(observers)
         self.backend, self.encoder, self.env_factory, self.config = backend, encoder, env_factory, config
         self.source = source if isinstance(source, PromptSource) else RowSource(source)
         self.group_filter = group_filter or (_drop_zero_std if config.drop_zero_std else None)
@@ -101,8 +119,12 @@ class RolloutEngine:
             ),
             max_generating=config.max_generating, max_env_steps=config.max_env_steps, policy=config.policy,
             max_staleness=config.max_staleness, on_stale=config.on_stale, group_left=self._group_left,
-            reward_fn=reward_fn, seed=config.seed,
+            reward_fn=reward_fn, observers=self.observers, seed=config.seed,
         )  # fmt: skip
+        self.exporter: MetricsExporter | None = None
+        self.last_step_summary: dict[
+            str, Any
+        ] = {}  # slime's rollout/ and perf/ keys, and multi_turn/, of the last step
         self._open: dict[int, Group] = {}
         self._done: deque[Group] = deque()
         self._dropped: Counter[str] = Counter()
@@ -115,6 +137,14 @@ class RolloutEngine:
         self._stack = AsyncExitStack()
         self._tasks = await self._stack.enter_async_context(anyio.create_task_group())
         self.scheduler.resume_generation(await self.backend.weight_version())
+        if self.config.metrics_port is not None:
+            from engine.metrics.prometheus import MetricsExporter
+
+            self.exporter = MetricsExporter(
+                self, self.recorder, host=self.config.metrics_host, port=self.config.metrics_port
+            )
+            self.exporter.start()
+            self._stack.callback(self.exporter.stop)
         return self
 
     async def __aexit__(self, *exc_info: Any) -> bool | None:
@@ -125,6 +155,7 @@ class RolloutEngine:
     # -- steps and streams ------------------------------------------------------------------------
     async def rollout(self, target_groups: int) -> list[Group]:
         """One step's worth: `target_groups` finished groups (fewer only if the source runs dry)."""
+        started, before = time.monotonic(), self.statistics()
         if self.scheduler.is_paused:
             await self.resume()
         partial = self.config.partial_rollout
@@ -138,6 +169,12 @@ class RolloutEngine:
         self._counts["returned"] += len(groups)
         if partial and self._open:
             await self.scheduler.pause_generation()
+        seconds = time.monotonic() - started
+        for observer in self.observers:
+            observer.step_ended(groups, seconds, self.scheduler.clock)
+        self.last_step_summary = step_summary(
+            groups, rollout_time=seconds, clock=self.scheduler.clock, after=self.statistics(), before=before
+        )
         return groups
 
     async def stream(self) -> AsyncIterator[Group]:
@@ -259,6 +296,7 @@ class RolloutEngine:
                 trajectory.finish(record_failure(trajectory, exc))
             else:
                 await self.scheduler.drive(trajectory, env)
+                self._maybe_check_drift(trajectory)
         finally:
             self._num_inflight -= 1
             if group.is_done:
@@ -273,8 +311,21 @@ class RolloutEngine:
         reason = self.group_filter(group) if self.group_filter is not None else None
         if reason is None:
             self._done.append(group)
-        else:
-            self._dropped[reason] += 1
+            return
+        self._dropped[reason] += 1
+        for observer in self.observers:
+            observer.group_dropped(group, reason)
+
+    def _maybe_check_drift(self, trajectory: Trajectory) -> None:
+        """Every `drift_check_every`-th finished trajectory: compare it with a full re-render."""
+        every = self.config.drift_check_every
+        if not every or not trajectory.turns or not hasattr(self.encoder, "drift_check"):
+            return
+        self._counts["finished"] += 1
+        if self._counts["finished"] % every == 0:
+            report = self.encoder.drift_check(trajectory)
+            for observer in self.observers:
+                observer.drift_checked(trajectory, report)
 
     def _group_left(self, trajectory: Trajectory) -> int:
         group = self._open.get(trajectory.group_id)

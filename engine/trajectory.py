@@ -85,14 +85,16 @@ class Turn:
     num_observation: int = 0
     generate_seconds: float = 0.0
     env_seconds: float = 0.0
-    queue_seconds: float = 0.0
+    queue_seconds: float = 0.0  # waiting for a generation slot (a pause not counted)
+    env_queue_seconds: float = 0.0  # waiting for an env slot
     retries: int = 0
     finish_reason: str | None = None
     weight_version: str | None = None
     observation: dict[str, Any] | None = None  # the env's chat message after this turn (kept for re-rendering)
+    is_reported: bool = False  # observers were told this turn ended
 
     def to_record(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self.__slots__ if name != "observation"}
+        return {name: getattr(self, name) for name in self.__slots__ if name not in ("observation", "is_reported")}
 
 
 @dataclass(slots=True, eq=False)

@@ -142,3 +142,15 @@ def test_build_env_failing_for_one_prompt_fails_that_trajectory_only(tmp_path):
     assert failed["stop_reason"] == "env_error" and failed["turns"] == []
     assert "build_env raised KeyError('no sandbox image for this task')" in failed["errors"][0]["message"]
     assert by_status["completed"]["reward"] == 0.5
+
+
+def test_run_serves_metrics_logs_turns_and_reports_progress(tmp_path, capsys):
+    out = tmp_path / "run.jsonl"
+    argv = ["run", "--num-prompts", "2", "--max-turns", "2", "--max-new-tokens", "4", "--metrics-port", "0"]
+    assert main([*argv, "--log-level", "info", "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    events = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
+    turns = [e for e in events if e["event"] == "turn"]
+    assert len(turns) == sum(len(r["turns"]) for r in read_lines(out))
+    assert "turnstile: metrics at http://127.0.0.1:" in err
+    assert "groups 2/2 · in flight" in err  # the live view's last line, plain when not on a terminal

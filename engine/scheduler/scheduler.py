@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from functools import partial
@@ -26,6 +27,7 @@ from engine.backends.base import Backend, SamplingParams
 from engine.encoding import ChatEncoder
 from engine.envs.base import EnvRunner
 from engine.errors import BackendError, EnvError, ErrorClass, TurnError
+from engine.metrics.events import Observer
 from engine.scheduler.partial import VersionClock
 from engine.scheduler.queue import LimiterStatistics, Policy, PriorityLimiter, priority_key
 from engine.scheduler.retry import BreakerStatistics, CircuitBreaker, RetryBudget, RetryPolicy
@@ -79,18 +81,21 @@ class Scheduler:
         on_stale: Literal["restart", "finish"] = "restart",
         group_left: Callable[[Trajectory], int] = lambda t: 0,
         reward_fn: Callable[[Trajectory], Any] | None = None,
+        observers: Sequence[Observer] = (),
         seed: int = 0,
     ):
         self.backend, self.encoder, self.sampling, self.limits = backend, encoder, sampling, limits
         self.retry, self.breaker = retry, breaker
         self.policy, self.max_staleness, self.on_stale = Policy(policy), max_staleness, on_stale
-        self.group_left, self.reward_fn = group_left, reward_fn
+        self.group_left, self.reward_fn, self.observers = group_left, reward_fn, tuple(observers)
         self.clock = VersionClock()
         self.generation_slots = PriorityLimiter(max_generating, name="generation slots")
         self.env_slots = PriorityLimiter(max_env_steps, name="env slots")
         self._env_threads = anyio.CapacityLimiter(max_env_steps)  # worker threads of sync envs
         self._rng = random.Random(seed)
         self._phase: dict[int, Phase] = {}
+        self._phase_counts: dict[Phase, int] = dict.fromkeys(Phase, 0)  # plain ints: read from any thread
+        self._resumed_at = time.monotonic()
         self._waiting_to_generate: dict[int, Trajectory] = {}
         self._generating: dict[str, Trajectory] = {}
         self._drained = anyio.Event()
@@ -118,6 +123,7 @@ class Scheduler:
                 if stop is None:
                     step = partial(env_turn, trajectory, env, self.encoder, self.limits)
                     stop = await self._env_call(trajectory, budget, step, replay=env)  # 4, 5
+                self._turn_ended(trajectory, stop)
             if self.reward_fn is not None and stop is not StopReason.ABORTED:
                 trajectory.reward = await self._reward(trajectory)
         except TurnError as exc:
@@ -130,9 +136,29 @@ class Scheduler:
             trajectory.finish(stop or StopReason.ABORTED)
             if budget.total:
                 trajectory.metadata["retries"] = {str(cls): n for cls, n in budget.by_class.items()}
-            self._phase.pop(trajectory.id, None)
+            self._turn_ended(trajectory, trajectory.stop_reason)  # a turn cut short by a failure
+            self._set_phase(trajectory, None)
             self._parked.set()
             trajectory.check_invariant()
+            for observer in self.observers:
+                observer.trajectory_ended(trajectory)
+
+    def _turn_ended(self, trajectory: Trajectory, stop: StopReason | None) -> None:
+        """Tell the observers about the last turn, once: "continued", or the stop reason it ended with."""
+        if not self.observers or not trajectory.turns or trajectory.turns[-1].is_reported:
+            return
+        turn = trajectory.turns[-1]
+        turn.is_reported = True
+        for observer in self.observers:
+            observer.turn_ended(trajectory, turn, "continued" if stop is None else str(stop))
+
+    def _set_phase(self, trajectory: Trajectory, phase: Phase | None) -> None:
+        old = self._phase.pop(trajectory.id, None) if phase is None else self._phase.get(trajectory.id)
+        if old is not None:
+            self._phase_counts[old] -= 1
+        if phase is not None:
+            self._phase[trajectory.id] = phase
+            self._phase_counts[phase] += 1
 
     async def _reward(self, trajectory: Trajectory) -> Any:
         """The reward function's score; its failure fails this trajectory (ENV_EXCEPTION), not the step."""
@@ -145,7 +171,7 @@ class Scheduler:
         """Steps 2 and 3: generate until the turn's generation is complete (an aborted turn is continued
         once generation resumes); then whether that ends the trajectory."""
         while True:
-            await self._acquire_generation(trajectory)
+            waited = await self._acquire_generation(trajectory)
             if self.clock.staleness(trajectory) > self.max_staleness:
                 self.generation_slots.release()
                 if self.on_stale == "finish":
@@ -155,9 +181,10 @@ class Scheduler:
                 continue
             rid = uuid.uuid4().hex
             self._generating[rid] = trajectory
-            self._phase[trajectory.id] = Phase.GENERATING
+            self._set_phase(trajectory, Phase.GENERATING)
             try:
                 result = await generate_turn(trajectory, self.backend, self.sampling, self.limits, rid=rid)
+                trajectory.turns[-1].queue_seconds += waited
                 if result.finish_reason == "abort" and not self.generation_slots.is_closed:
                     raise BackendError(
                         ErrorClass.SERVER, "the backend aborted the request while generation was not paused"
@@ -190,9 +217,11 @@ class Scheduler:
         """An env operation under an env slot, retried within the budget. Before retrying a step on an
         env that declares replay safe, the env is reset and the earlier responses replayed."""
         while True:
-            self._phase[trajectory.id] = Phase.WAITING_FOR_ENV
+            self._set_phase(trajectory, Phase.WAITING_FOR_ENV)
+            started = time.monotonic()
             await self.env_slots.acquire(self._key(trajectory))
-            self._phase[trajectory.id] = Phase.IN_ENV
+            waited = time.monotonic() - started
+            self._set_phase(trajectory, Phase.IN_ENV)
             try:
                 result = await fn()
             except EnvError as exc:
@@ -204,6 +233,7 @@ class Scheduler:
                 self.breaker.record(True)
                 if trajectory.turns:
                     trajectory.turns[-1].retries = budget.spent_in(len(trajectory.turns))
+                    trajectory.turns[-1].env_queue_seconds += waited
                 return result
             finally:
                 self.env_slots.release()
@@ -241,11 +271,13 @@ class Scheduler:
     def _key(self, trajectory: Trajectory) -> tuple[int, ...]:
         return priority_key(self.policy, trajectory, self.group_left)
 
-    async def _acquire_generation(self, trajectory: Trajectory) -> None:
-        """A generation slot, waiting PAUSED while generation is paused. A slot granted just before a
-        pause, to a trajectory that had not run yet, is handed back: nothing generates while paused."""
+    async def _acquire_generation(self, trajectory: Trajectory) -> float:
+        """A generation slot, waiting PAUSED while generation is paused; returns the seconds queued for
+        it, not counting a pause. A slot granted just before a pause, to a trajectory that had not run
+        yet, is handed back: nothing generates while paused."""
         self._waiting_to_generate[trajectory.id] = trajectory
-        self._phase[trajectory.id] = Phase.WAITING_TO_GENERATE
+        self._set_phase(trajectory, Phase.WAITING_TO_GENERATE)
+        started = time.monotonic()
         try:
             while True:
                 if self.generation_slots.is_closed:
@@ -259,17 +291,19 @@ class Scheduler:
         if trajectory.status is Status.PAUSED:
             trajectory.transition(Status.RUNNING)
             self._counts["resumed"] += 1
+            started = max(started, self._resumed_at)
+        return time.monotonic() - started
 
     def _park(self, trajectory: Trajectory) -> None:
         if trajectory.status is Status.RUNNING:
             trajectory.transition(Status.PAUSED)
-            self._phase[trajectory.id] = Phase.PAUSED
+            self._set_phase(trajectory, Phase.PAUSED)
             self._counts["paused"] += 1
             self._parked.set()
 
     async def wait_until_parked(self) -> None:
         """While generation is paused: until every in-flight trajectory waits, PAUSED (env steps done)."""
-        while self.is_paused and any(phase is not Phase.PAUSED for phase in self._phase.values()):
+        while self.is_paused and any(n for phase, n in self._phase_counts.items() if phase is not Phase.PAUSED):
             self._parked = anyio.Event()
             await self._parked.wait()
 
@@ -291,6 +325,7 @@ class Scheduler:
     def resume_generation(self, weight_version: str | None) -> None:
         """Generation goes on with `weight_version`; paused trajectories first."""
         self.clock.advance(weight_version)
+        self._resumed_at = time.monotonic()
         self.generation_slots.open()
 
     @property
@@ -299,7 +334,7 @@ class Scheduler:
 
     def statistics(self) -> SchedulerStatistics:
         return SchedulerStatistics(
-            phases=dict(Counter(self._phase.values())),
+            phases={phase: n for phase, n in self._phase_counts.copy().items() if n},
             generation=self.generation_slots.statistics(),
             env=self.env_slots.statistics(),
             breaker=self.breaker.statistics(),

@@ -1,0 +1,106 @@
+"""Structured turn logs: one event at the end of every turn and of every trajectory.
+
+    engine = RolloutEngine(..., observers=[TurnLogger(level="info", sample=0.1)])
+
+Events are JSON lines when the stream is not a terminal (or `json=True`), a readable console line
+otherwise. `sample` keeps that share of turn events (every k-th one), so 10,000 turns a second need
+not reach the disk; trajectory events are always kept at their level (`failed` ones at warning).
+The logger is built for this observer alone (structlog's global configuration is left untouched).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import IO, TYPE_CHECKING, Any
+
+import orjson
+import structlog
+
+from engine.metrics.events import Observer
+from engine.trajectory import Status
+
+if TYPE_CHECKING:
+    from engine.trajectory import Trajectory, Turn
+
+LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40}
+
+
+def _dumps(event: dict[str, Any], **_: Any) -> str:
+    """orjson: a tenth of the stdlib encoder's cost per event; anything it cannot encode becomes a string."""
+    return orjson.dumps(event, default=str).decode()
+
+
+def _add_time(logger: Any, method: str, event: dict[str, Any]) -> dict[str, Any]:
+    """`ts`: seconds since the epoch (a float is a tenth of the cost of an ISO string)."""
+    event["ts"] = time.time()
+    return event
+
+
+class TurnLogger(Observer):
+    def __init__(
+        self,
+        *,
+        level: str = "info",
+        json: bool | None = None,
+        stream: IO[str] | None = None,
+        sample: float = 1.0,
+    ):
+        if level not in LEVELS:
+            raise ValueError(f"log level must be one of {sorted(LEVELS)}, got {level!r}")
+        if not 0 < sample <= 1:
+            raise ValueError(f"sample must be in (0, 1], got {sample}")
+        stream = stream or sys.stderr
+        if json is None:
+            json = not stream.isatty()
+        renderer = structlog.processors.JSONRenderer(_dumps) if json else structlog.dev.ConsoleRenderer(colors=False)
+        self.log = structlog.wrap_logger(
+            structlog.WriteLogger(stream),
+            processors=[structlog.processors.add_log_level, _add_time, renderer],
+            wrapper_class=structlog.make_filtering_bound_logger(LEVELS[level]),
+        ).bind()  # bound once: the lazy proxy would rebind on every event
+        self._every = max(1, round(1 / sample))
+        self._seen = 0
+
+    def turn_ended(self, trajectory: Trajectory, turn: Turn, outcome: str) -> None:
+        self._seen += 1
+        if self._seen % self._every:
+            return
+        self.log.info(
+            "turn",
+            trajectory=trajectory.id,
+            group=trajectory.group_id,
+            index=trajectory.index,
+            turn=turn.index,
+            generated_tokens=turn.num_generated,
+            observation_tokens=turn.num_observation,
+            generate_s=turn.generate_seconds,
+            env_s=turn.env_seconds,
+            queue_s=turn.queue_seconds,
+            env_queue_s=turn.env_queue_seconds,
+            retries=turn.retries,
+            finish_reason=turn.finish_reason,
+            outcome=outcome,
+            weight_version=turn.weight_version,
+        )
+
+    def trajectory_ended(self, trajectory: Trajectory) -> None:
+        fields: dict[str, Any] = dict(
+            trajectory=trajectory.id,
+            group=trajectory.group_id,
+            index=trajectory.index,
+            status=str(trajectory.status),
+            stop_reason=str(trajectory.stop_reason),
+            turns=len(trajectory.turns),
+            generated_tokens=trajectory.num_generated,
+            response_tokens=trajectory.response_length,
+            retries=sum(turn.retries for turn in trajectory.turns),
+            reward=trajectory.reward,
+            weight_versions=sorted(set(trajectory.weight_versions)),
+        )
+        if trajectory.errors:
+            fields["errors"] = [f"{e.error_class}: {e.message}" for e in trajectory.errors]
+        if trajectory.status is Status.FAILED:
+            self.log.warning("trajectory", **fields)
+        else:
+            self.log.info("trajectory", **fields)

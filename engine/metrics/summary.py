@@ -1,0 +1,122 @@
+"""The per-step summary: the dict slime logs for a rollout step, plus per-turn distributions.
+
+Keys follow slime's rollout logging (`slime/observability/rollout_metrics.py`) where they apply:
+`rollout/response_len/{mean,median,max,min}`, `rollout/truncated_ratio`, `rollout/zero_std/count_<r>`,
+`rollout/dynamic_filter/drop_<reason>`, `perf/rollout_time`, `perf/tokens_per_gpu_per_sec`,
+`perf/longest_sample_tokens_per_sec`, `perf/non_generation_time/*`; the multi-turn part goes under
+`multi_turn/` (slime's wandb setup already plots that prefix): turns per trajectory, status and
+stop-reason shares, retries by class, partial-rollout counts and token staleness.
+"""
+
+from __future__ import annotations
+
+import statistics as stats
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+from engine.trajectory import Status
+
+if TYPE_CHECKING:
+    from engine.engine import EngineStatistics
+    from engine.scheduler.partial import VersionClock
+    from engine.trajectory import Group
+
+
+def distribution(values: list[float], prefix: str) -> dict[str, float]:
+    """mean / median / max / min under `prefix`, as slime's compute_statistics."""
+    if not values:
+        return {}
+    return {
+        f"{prefix}mean": stats.fmean(values),
+        f"{prefix}median": float(stats.median(values)),
+        f"{prefix}max": float(max(values)),
+        f"{prefix}min": float(min(values)),
+    }
+
+
+def step_summary(
+    groups: list[Group],
+    *,
+    rollout_time: float,
+    clock: VersionClock,
+    after: EngineStatistics,
+    before: EngineStatistics | None = None,
+    num_gpus: int | None = None,
+) -> dict[str, Any]:
+    """Summarize a returned step. `before` / `after` are engine snapshots around it (counts are their
+    difference); `num_gpus` enables slime's per-GPU throughput keys."""
+    samples = [t for group in groups for t in group.trajectories]
+    if not samples:
+        return {"perf/rollout_time": rollout_time}
+    lengths = [t.response_length for t in samples]
+    effective = [sum(t.loss_mask) for t in samples]
+    non_generation = [
+        sum(turn.env_seconds + turn.queue_seconds + turn.env_queue_seconds for turn in t.turns) for t in samples
+    ]
+    out: dict[str, Any] = {}
+    out |= distribution(lengths, "rollout/response_len/")
+    out["rollout/truncated_ratio"] = sum(t.status is Status.TRUNCATED for t in samples) / len(samples)
+    rewards = [t.reward for t in samples if isinstance(t.reward, int | float)]
+    if rewards:
+        out["rollout/raw_reward"] = stats.fmean(rewards)
+    for group in groups:
+        group_rewards = {r for r in group.rewards if isinstance(r, int | float)}
+        if len(group.trajectories) > 1 and len(group_rewards) == 1:
+            key = f"rollout/zero_std/count_{round(group_rewards.pop(), 1)}"
+            out[key] = out.get(key, 0) + 1
+    out["perf/rollout_time"] = rollout_time
+    if num_gpus:
+        out["perf/tokens_per_gpu_per_sec"] = sum(lengths) / rollout_time / num_gpus
+        out["perf/effective_tokens_per_gpu_per_sec"] = sum(effective) / rollout_time / num_gpus
+    out["perf/longest_sample_tokens_per_sec"] = max(lengths) / rollout_time
+    out["perf/longest_effective_sample_tokens_per_sec"] = max(effective) / rollout_time
+    out |= distribution(non_generation, "perf/non_generation_time/")
+    out |= _multi_turn(samples, clock)
+    out |= _counts(after, before)
+    return out
+
+
+def _multi_turn(samples: list, clock: VersionClock) -> dict[str, Any]:
+    out = distribution([len(t.turns) for t in samples], "multi_turn/turns/")
+    for status, n in Counter(str(t.status) for t in samples).items():
+        out[f"multi_turn/status/{status}"] = n / len(samples)
+    for reason, n in Counter(str(t.stop_reason) for t in samples).items():
+        out[f"multi_turn/stop_reason/{reason}"] = n / len(samples)
+    retries: Counter[str] = Counter()
+    for trajectory in samples:
+        retries.update(trajectory.metadata.get("retries", {}))
+    for error_class, n in retries.items():
+        out[f"multi_turn/retries/{error_class}"] = n
+    ages = [(clock.age(span.weight_version), span.length) for t in samples for span in t.spans]
+    tokens = sum(length for _, length in ages)
+    if tokens:
+        out["multi_turn/staleness/mean"] = sum(age * length for age, length in ages) / tokens
+        out["multi_turn/staleness/max"] = max(age for age, _ in ages)
+        out["multi_turn/staleness/le1_ratio"] = sum(length for age, length in ages if age <= 1) / tokens
+    return out
+
+
+def _counts(after: EngineStatistics, before: EngineStatistics | None) -> dict[str, Any]:
+    """What happened during the step: the difference of two engine snapshots."""
+    a, b = after.scheduler, before.scheduler if before is not None else None
+
+    def grew(name: str) -> int:
+        return getattr(a, name) - (getattr(b, name) if b is not None else 0)
+
+    out = {
+        "multi_turn/partial/paused": grew("num_paused"),
+        "multi_turn/partial/resumed": grew("num_resumed"),
+        "multi_turn/partial/restarted": grew("num_restarted"),
+        "multi_turn/partial/discarded_tokens": grew("num_discarded_tokens"),
+        "multi_turn/partial/held_groups": after.num_groups_open + after.num_groups_done,
+        "multi_turn/breaker_open": float(a.breaker.is_open),
+    }
+    for reason, n in after.num_groups_dropped.items():
+        dropped = n - (before.num_groups_dropped.get(reason, 0) if before is not None else 0)
+        if dropped:
+            out[f"rollout/dynamic_filter/drop_{reason}"] = dropped
+    for error_class, n in a.budgets_exhausted.items():
+        spent = n - (b.budgets_exhausted.get(error_class, 0) if b is not None else 0)
+        if spent:
+            out[f"multi_turn/budgets_exhausted/{error_class}"] = spent
+    return out
