@@ -1,5 +1,8 @@
-"""Typed configuration, validated once when built. YAML files use the same flat keys as slime's
-`--custom-config-path` files (`max_turns`, `rollout_interaction_env_path`, ...) plus Turnstile's own."""
+"""Typed configuration, validated once when built.
+
+`EngineConfig` is what `RolloutEngine` runs with; `RunConfig` is `turnstile run`'s, whose YAML files use
+the same flat keys as slime's `--custom-config-path` files (`max_turns`, `rollout_interaction_env_path`,
+...) plus Turnstile's own."""
 
 from __future__ import annotations
 
@@ -7,13 +10,38 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PositiveInt, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, model_validator
 
 from engine.backends.base import SamplingParams
-from engine.engine import EngineConfig
 from engine.scheduler.queue import Policy
 from engine.scheduler.retry import RetryPolicy
 from engine.turn import TurnLimits
+
+
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    n_samples_per_prompt: PositiveInt = 1
+    max_inflight: PositiveInt = 512  # trajectories admitted and not yet ended
+    max_generating: PositiveInt = 256  # concurrent generate requests
+    max_env_steps: PositiveInt = 64  # concurrent env steps
+    policy: Policy = Policy.GROUP_COMPLETION
+    partial_rollout: bool = False
+    over_sampling: float = Field(1.0, ge=1.0)
+    max_staleness: NonNegativeInt = 1
+    on_stale: Literal["restart", "finish"] = "restart"
+    mask_offpolicy: bool = False
+    drop_zero_std: bool = False  # drop groups whose rewards are all equal (no learning signal)
+    limits: TurnLimits = TurnLimits()
+    sampling: SamplingParams = SamplingParams(max_new_tokens=1024)  # stop_token_ids default to the encoder's
+    retry: RetryPolicy = RetryPolicy()
+    breaker_threshold: float = Field(0.5, gt=0, le=1)
+    breaker_window_s: float = Field(30.0, gt=0)
+    breaker_min_attempts: PositiveInt = 20
+    drift_check_every: NonNegativeInt = 0  # re-render 1 finished trajectory in N and count drift (0: never)
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None  # serve Prometheus /metrics here (0: any free port; None: not at all)
+    seed: int = 0
 
 
 class BackendConfig(BaseModel):

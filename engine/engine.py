@@ -20,12 +20,12 @@ from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import anyio
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt
 
-from engine.backends.base import Backend, SamplingParams
+from engine.backends.base import Backend
+from engine.config import EngineConfig
 from engine.encoding import ChatEncoder
 from engine.envs.base import EnvRunner
 from engine.envs.loader import EnvLoadError, EnvSample
@@ -33,43 +33,17 @@ from engine.metrics.events import Observer
 from engine.metrics.recorder import MetricsRecorder
 from engine.metrics.summary import step_summary
 from engine.scheduler.partial import mask_offpolicy
-from engine.scheduler.queue import Policy
-from engine.scheduler.retry import CircuitBreaker, RetryPolicy
-from engine.scheduler.scheduler import Scheduler, SchedulerStatistics
+from engine.scheduler.queue import SchedulerStatistics
+from engine.scheduler.retry import CircuitBreaker
+from engine.scheduler.scheduler import Scheduler
 from engine.source import PromptSource, RowSource
 from engine.trajectory import Group, Status, Trajectory
-from engine.turn import TurnLimits, record_failure
+from engine.turn import record_failure
 
 if TYPE_CHECKING:
     from engine.metrics.prometheus import MetricsExporter
 
 GroupFilter = Callable[[Group], str | None]  # a reason to drop the group, or None to keep it
-
-
-class EngineConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    n_samples_per_prompt: PositiveInt = 1
-    max_inflight: PositiveInt = 512  # trajectories admitted and not yet ended
-    max_generating: PositiveInt = 256  # concurrent generate requests
-    max_env_steps: PositiveInt = 64  # concurrent env steps
-    policy: Policy = Policy.GROUP_COMPLETION
-    partial_rollout: bool = False
-    over_sampling: float = Field(1.0, ge=1.0)
-    max_staleness: NonNegativeInt = 1
-    on_stale: Literal["restart", "finish"] = "restart"
-    mask_offpolicy: bool = False
-    drop_zero_std: bool = False  # drop groups whose rewards are all equal (no learning signal)
-    limits: TurnLimits = TurnLimits()
-    sampling: SamplingParams = SamplingParams(max_new_tokens=1024)  # stop_token_ids default to the encoder's
-    retry: RetryPolicy = RetryPolicy()
-    breaker_threshold: float = Field(0.5, gt=0, le=1)
-    breaker_window_s: float = Field(30.0, gt=0)
-    breaker_min_attempts: PositiveInt = 20
-    drift_check_every: NonNegativeInt = 0  # re-render 1 finished trajectory in N and count drift (0: never)
-    metrics_host: str = "127.0.0.1"
-    metrics_port: int | None = None  # serve Prometheus /metrics here (0: any free port; None: not at all)
-    seed: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,7 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
-from engine.scheduler.scheduler import Phase
+from engine.scheduler.queue import Phase
 
 if TYPE_CHECKING:
     from engine.engine import RolloutEngine

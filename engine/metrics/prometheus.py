@@ -21,7 +21,7 @@ from prometheus_client.registry import Collector
 
 from engine.errors import ErrorClass
 from engine.metrics.recorder import HistogramSnapshot, MetricsRecorder
-from engine.scheduler.scheduler import Phase
+from engine.scheduler.queue import Phase
 
 if TYPE_CHECKING:
     from engine.engine import RolloutEngine

@@ -1,9 +1,9 @@
 """The turn-level scheduler: priority slots, retry budgets, and partial rollout across weight updates."""
 
 from engine.scheduler.partial import VersionClock, mask_offpolicy
-from engine.scheduler.queue import Policy, PriorityLimiter
+from engine.scheduler.queue import Phase, Policy, PriorityLimiter, SchedulerStatistics
 from engine.scheduler.retry import CircuitBreaker, RetryBudget, RetryPolicy
-from engine.scheduler.scheduler import Phase, Scheduler, SchedulerStatistics
+from engine.scheduler.scheduler import Scheduler
 
 __all__ = [
     "CircuitBreaker",

@@ -1,4 +1,5 @@
-"""Slots handed out by priority, and the policies that decide which ready turn goes next.
+"""Slots handed out by priority, the policies that decide which ready turn goes next, and the phases
+an in-flight trajectory moves through (with the scheduler's statistics snapshot).
 
 A `PriorityLimiter` is a capacity limiter (at most `total` holders) whose waiters are served lowest
 key first, ties in arrival order. It can be closed: holders keep their slots, waiters wait until it
@@ -17,6 +18,8 @@ from typing import Any
 
 import anyio
 
+from engine.errors import ErrorClass
+from engine.scheduler.retry import BreakerStatistics
 from engine.trajectory import Trajectory
 
 
@@ -108,3 +111,28 @@ class PriorityLimiter:
             self._num_waiting -= 1
             self.borrowed += 1
             entry[3].set()
+
+
+class Phase(StrEnum):
+    """Where an in-flight trajectory is."""
+
+    WAITING_TO_GENERATE = "waiting_to_generate"
+    GENERATING = "generating"
+    WAITING_FOR_ENV = "waiting_for_env"
+    IN_ENV = "in_env"
+    PAUSED = "paused"
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStatistics:
+    phases: dict[Phase, int]
+    generation: LimiterStatistics
+    env: LimiterStatistics
+    breaker: BreakerStatistics
+    retries: dict[ErrorClass, int]
+    budgets_exhausted: dict[ErrorClass, int]
+    num_paused: int  # times a trajectory was parked by a pause
+    num_resumed: int
+    num_restarted: int  # restarts for staleness
+    num_finished_stale: int
+    num_discarded_tokens: int  # generated, then thrown away by restarts

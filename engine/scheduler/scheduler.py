@@ -16,8 +16,6 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
-from enum import StrEnum
 from functools import partial
 from typing import Any, Literal
 
@@ -29,39 +27,14 @@ from engine.envs.base import EnvRunner
 from engine.errors import BackendError, EnvError, ErrorClass, TurnError
 from engine.metrics.events import Observer
 from engine.scheduler.partial import VersionClock
-from engine.scheduler.queue import LimiterStatistics, Policy, PriorityLimiter, priority_key
-from engine.scheduler.retry import BreakerStatistics, CircuitBreaker, RetryBudget, RetryPolicy
+from engine.scheduler.queue import Phase, Policy, PriorityLimiter, SchedulerStatistics, priority_key
+from engine.scheduler.retry import CircuitBreaker, RetryBudget, RetryPolicy
 from engine.trajectory import Status, StopReason, Trajectory
 from engine.turn import TurnLimits, close_env, encode_prompt, env_turn, generate_turn, out_of_room, record_failure
 
 log = logging.getLogger(__name__)
 
 ABORT_RETRY_S = 1.0  # while pausing: abort again if requests are still on the backend after this long
-
-
-class Phase(StrEnum):
-    """Where an in-flight trajectory is."""
-
-    WAITING_TO_GENERATE = "waiting_to_generate"
-    GENERATING = "generating"
-    WAITING_FOR_ENV = "waiting_for_env"
-    IN_ENV = "in_env"
-    PAUSED = "paused"
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerStatistics:
-    phases: dict[Phase, int]
-    generation: LimiterStatistics
-    env: LimiterStatistics
-    breaker: BreakerStatistics
-    retries: dict[ErrorClass, int]
-    budgets_exhausted: dict[ErrorClass, int]
-    num_paused: int  # times a trajectory was parked by a pause
-    num_resumed: int
-    num_restarted: int  # restarts for staleness
-    num_finished_stale: int
-    num_discarded_tokens: int  # generated, then thrown away by restarts
 
 
 class Scheduler:
