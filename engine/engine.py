@@ -170,8 +170,9 @@ class RolloutEngine:
         await self.scheduler.pause_generation()
 
     async def wait_until_parked(self) -> None:
-        """While paused: until every unfinished trajectory has finished its env step and waits, PAUSED."""
-        await self.scheduler.wait_until_parked()
+        """While paused: until every unfinished trajectory (started ones included) waits, PAUSED."""
+        while self.scheduler.is_paused and self._num_inflight > self.scheduler.num_parked:
+            await self.scheduler.parked_or_ended()
 
     async def resume(self, weight_version: str | None = None) -> None:
         """Generate again, with `weight_version` (default: what the backend reports); paused ones first.

@@ -106,7 +106,8 @@ async def run_workload(encoder: ChatEncoder, w: dict) -> None:
                 await engine.pause()
                 backend.version = f"v{version}"
                 await engine.resume(f"v{version}")
-        if w["partial"]:
+        if w["partial"]:  # hold what is left: pause (the last step may have resumed) and let env steps finish
+            await engine.pause()
             await engine.wait_until_parked()
         stats = engine.statistics()
         held_open = engine.open_groups

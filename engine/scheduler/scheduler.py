@@ -274,11 +274,14 @@ class Scheduler:
             self._counts["paused"] += 1
             self._parked.set()
 
-    async def wait_until_parked(self) -> None:
-        """While generation is paused: until every in-flight trajectory waits, PAUSED (env steps done)."""
-        while self.is_paused and any(n for phase, n in self._phase_counts.items() if phase is not Phase.PAUSED):
-            self._parked = anyio.Event()
-            await self._parked.wait()
+    @property
+    def num_parked(self) -> int:
+        return self._phase_counts[Phase.PAUSED]
+
+    async def parked_or_ended(self) -> None:
+        """Until the next trajectory parks or ends."""
+        self._parked = anyio.Event()
+        await self._parked.wait()
 
     async def pause_generation(self) -> None:
         """Generation stops at a safe point: requests on the backend are aborted and keep the tokens
