@@ -276,6 +276,16 @@ SCENARIOS = {
         "50m",
         ["bad", "nothing_ended"],
     ),
+    "TurnstileTrajectoryHung": (
+        [
+            series("turnstile_longest_in_state_seconds", "bad", "0+60x60", state="generating"),
+            series("turnstile_longest_in_state_seconds", "bad", "5x60", state="in_env"),
+            series("turnstile_longest_in_state_seconds", "paused", "0+60x60", state="paused"),
+            series("turnstile_longest_in_state_seconds", "ok", "5x60", state="generating"),
+        ],
+        "45m",
+        [{"instance": "bad", "state": "generating"}],
+    ),
     "TurnstileGenerationPausedTooLong": (
         [
             series("turnstile_generation_paused", "bad", "1x90"),

@@ -118,6 +118,13 @@ class EngineCollector(Collector):
         s = stats.scheduler
         phases = {(str(phase),): float(s.phases.get(phase, 0)) for phase in Phase}
         yield _gauge("trajectories_inflight", "Trajectories in flight, by state.", phases, ("state",))
+        longest = {(str(phase),): s.longest_in_phase.get(phase, 0.0) for phase in Phase}
+        yield _gauge(
+            "longest_in_state_seconds",
+            "Seconds the longest-waiting in-flight trajectory has been in each state (a hung call shows here).",
+            longest,
+            ("state",),
+        )
         slots = {"generation": s.generation, "env": s.env}
         yield _gauge(
             "slots_in_use", "Slots held, by limiter.", {(k,): v.borrowed for k, v in slots.items()}, ("limiter",)
@@ -171,9 +178,14 @@ class EngineCollector(Collector):
         yield _counter("prompts_admitted", "Prompts admitted (each a group).", {(): stats.num_prompts_admitted})
         yield _gauge(
             "groups_held",
-            "Groups admitted and not yet returned, by state.",
+            "Groups admitted and not yet returned: open (running or paused) or done (waiting for a step).",
             {("open",): stats.num_groups_open, ("done",): stats.num_groups_done},
-            ("state",),
+            ("group_state",),
+        )
+        yield _gauge(
+            "weight_version_index",
+            "How many weight versions generation has moved through (0: the first it ran with).",
+            {(): self.engine.scheduler.clock.index(self.engine.scheduler.clock.current)},
         )
 
     def _steps(self) -> Iterator[Metric]:

@@ -126,6 +126,7 @@ class Phase(StrEnum):
 @dataclass(frozen=True, slots=True)
 class SchedulerStatistics:
     phases: dict[Phase, int]
+    longest_in_phase: dict[Phase, float]  # seconds the longest-waiting trajectory has been in each phase
     generation: LimiterStatistics
     env: LimiterStatistics
     breaker: BreakerStatistics

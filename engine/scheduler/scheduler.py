@@ -66,7 +66,7 @@ class Scheduler:
         self.env_slots = PriorityLimiter(max_env_steps, name="env slots")
         self._env_threads = anyio.CapacityLimiter(max_env_steps)  # worker threads of sync envs
         self._rng = random.Random(seed)
-        self._phase: dict[int, Phase] = {}
+        self._phase: dict[int, tuple[Phase, float]] = {}  # trajectory id -> (phase, since when)
         self._phase_counts: dict[Phase, int] = dict.fromkeys(Phase, 0)  # plain ints: read from any thread
         self._resumed_at = time.monotonic()
         self._waiting_to_generate: dict[int, Trajectory] = {}
@@ -128,9 +128,9 @@ class Scheduler:
     def _set_phase(self, trajectory: Trajectory, phase: Phase | None) -> None:
         old = self._phase.pop(trajectory.id, None) if phase is None else self._phase.get(trajectory.id)
         if old is not None:
-            self._phase_counts[old] -= 1
+            self._phase_counts[old[0]] -= 1
         if phase is not None:
-            self._phase[trajectory.id] = phase
+            self._phase[trajectory.id] = (phase, time.monotonic())
             self._phase_counts[phase] += 1
 
     async def _reward(self, trajectory: Trajectory) -> Any:
@@ -274,6 +274,13 @@ class Scheduler:
             self._counts["paused"] += 1
             self._parked.set()
 
+    def _longest_in_phase(self) -> dict[Phase, float]:
+        """Per phase, the longest any in-flight trajectory has been in it (a hung call shows here)."""
+        now, longest = time.monotonic(), {}
+        for phase, since in list(self._phase.values()):  # a copy: read from the exporter's thread too
+            longest[phase] = max(longest.get(phase, 0.0), now - since)
+        return longest
+
     @property
     def num_parked(self) -> int:
         return self._phase_counts[Phase.PAUSED]
@@ -311,6 +318,7 @@ class Scheduler:
     def statistics(self) -> SchedulerStatistics:
         return SchedulerStatistics(
             phases={phase: n for phase, n in self._phase_counts.copy().items() if n},
+            longest_in_phase=self._longest_in_phase(),
             generation=self.generation_slots.statistics(),
             env=self.env_slots.statistics(),
             breaker=self.breaker.statistics(),
