@@ -103,6 +103,7 @@ async def test_the_exporter_serves_bounded_series_that_agree_with_the_run(encode
         "status",
         "stop_reason",
         "state",
+        "group_state",
         "limiter",
         "error_class",
         "stage",
