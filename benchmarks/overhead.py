@@ -65,7 +65,7 @@ class FixedEncoder:
 
     stop_token_ids = (STOP,)
 
-    def encode_prompt(self, messages) -> Encoded:
+    def encode_prompt(self, prompt, images=None) -> Encoded:
         return Encoded(PROMPT_IDS)
 
     def encode_observation(self, message) -> Encoded:

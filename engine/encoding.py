@@ -114,9 +114,15 @@ class ChatEncoder:
             **self.template_kwargs,
         )
 
-    def encode_prompt(self, messages: list[dict[str, Any]]) -> Encoded:
-        """The prompt with the generation prompt appended, as the model will first see it."""
-        return self._encode_text(self.render(messages, add_generation_prompt=True), _images_of(messages))
+    def encode_prompt(self, prompt: list[dict[str, Any]] | str, images: list[Any] | None = None) -> Encoded:
+        """The prompt with the generation prompt appended, as the model will first see it. A string is
+        a prompt already rendered with the chat template (slime's `--apply-chat-template`), encoded as
+        it is, with `images` for its image pads."""
+        if isinstance(prompt, str):
+            return self._encode_text(prompt, list(images or []))
+        return self._encode_text(
+            self.render(prompt, add_generation_prompt=True), _images_of(prompt) + list(images or [])
+        )
 
     def encode_observation(self, message: dict[str, Any]) -> Encoded:
         """The tokens that follow the model's end-of-turn token: separator, the observation, the next
@@ -146,7 +152,10 @@ class ChatEncoder:
         return self.tokenizer.decode(generated, skip_special_tokens=skip_special_tokens)
 
     def drift_check(self, trajectory: Trajectory) -> DriftReport:
-        """Re-render the trajectory's whole conversation and compare it with its tokens."""
+        """Re-render the trajectory's whole conversation and compare it with its tokens (its prompt must
+        be chat messages, not text rendered elsewhere)."""
+        if isinstance(trajectory.prompt, str):
+            raise ValueError("drift_check needs the prompt as chat messages; this trajectory's was rendered text")
         messages = list(trajectory.prompt)
         for turn in trajectory.turns:
             messages.append(

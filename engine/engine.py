@@ -128,8 +128,10 @@ class RolloutEngine:
 
     # -- steps and streams ------------------------------------------------------------------------
     async def rollout(self, target_groups: int) -> list[Group]:
-        """One step's worth: `target_groups` finished groups (fewer only if the source runs dry)."""
+        """One step's worth: `target_groups` finished groups (fewer only if the source runs dry; the
+        source is asked again on the next call)."""
         started, before = time.monotonic(), self.statistics()
+        self._exhausted = False  # a fed source may have rows again
         if self.scheduler.is_paused:
             await self.resume()
         partial = self.config.partial_rollout
@@ -230,8 +232,9 @@ class RolloutEngine:
         group_id = self._counts["admitted"]
         self._counts["admitted"] += 1
         metadata = row.get("metadata") or {}
+        images = list(row.get("images") or [])  # for a prompt given as rendered text
         members = [
-            Trajectory(prompt=row["prompt"], group_id=group_id, index=i, metadata=dict(metadata))
+            Trajectory(prompt=row["prompt"], prompt_images=images, group_id=group_id, index=i, metadata=dict(metadata))
             for i in range(self.config.n_samples_per_prompt)
         ]
         group = self._open[group_id] = Group(group_id, row, members)
@@ -255,7 +258,11 @@ class RolloutEngine:
         old = group.trajectories[index]
         self.scheduler.count_discarded(old)
         fresh = Trajectory(
-            prompt=old.prompt, group_id=old.group_id, index=index, metadata=dict(group.row.get("metadata") or {})
+            prompt=old.prompt,
+            prompt_images=old.prompt_images,
+            group_id=old.group_id,
+            index=index,
+            metadata=dict(group.row.get("metadata") or {}),
         )
         fresh.metadata["num_restarts"] = old.metadata.get("num_restarts", 0) + 1
         group.trajectories[index] = fresh
@@ -294,7 +301,12 @@ class RolloutEngine:
     def _maybe_check_drift(self, trajectory: Trajectory) -> None:
         """Every `drift_check_every`-th finished trajectory: compare it with a full re-render."""
         every = self.config.drift_check_every
-        if not every or not trajectory.turns or not hasattr(self.encoder, "drift_check"):
+        if (
+            not every
+            or not trajectory.turns
+            or isinstance(trajectory.prompt, str)
+            or not hasattr(self.encoder, "drift_check")
+        ):
             return
         self._counts["finished"] += 1
         if self._counts["finished"] % every == 0:

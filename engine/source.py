@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from collections import deque
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -29,6 +30,23 @@ class RowSource:
 
     def take(self, n: int) -> list[dict[str, Any]]:
         return [check_row(row, where="a prompt row") for row in itertools.islice(self._rows, n)]
+
+
+class QueueSource:
+    """A PromptSource that is fed: rows are `put` as they arrive (from slime's data source, step by
+    step) and handed out in order; rows not taken yet stay for later."""
+
+    def __init__(self) -> None:
+        self._rows: deque[dict[str, Any]] = deque()
+
+    def put(self, rows: Iterable[dict[str, Any]]) -> None:
+        self._rows.extend(check_row(row, where="a queued prompt row") for row in rows)
+
+    def take(self, n: int) -> list[dict[str, Any]]:
+        return [self._rows.popleft() for _ in range(min(n, len(self._rows)))]
+
+    def __len__(self) -> int:
+        return len(self._rows)
 
 
 def jsonl_rows(path: str | Path) -> Iterator[dict[str, Any]]:

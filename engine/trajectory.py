@@ -99,7 +99,7 @@ class Turn:
 
 @dataclass(slots=True, eq=False)
 class Trajectory:
-    prompt: list[dict[str, Any]]  # the chat messages the prompt tokens were rendered from
+    prompt: list[dict[str, Any]] | str  # chat messages, or text already rendered with the chat template
     tokens: array = field(default_factory=lambda: array("i"))  # prompt + response, int32
     prompt_length: int = 0
     loss_mask: array = field(default_factory=lambda: array("B"))  # per response token: 1 model, 0 env
@@ -108,6 +108,7 @@ class Trajectory:
     stop_reason: StopReason | None = None
     turns: list[Turn] = field(default_factory=list)
     spans: list[Span] = field(default_factory=list)  # one per generate call: which weights made which tokens
+    prompt_images: list[Any] = field(default_factory=list)  # images of a prompt given as rendered text
     image_data: list[str] = field(default_factory=list)  # rollout side: every image so far, for the backend
     train_inputs: TrainInputBuffer = field(default_factory=TrainInputBuffer)  # training side, merged once
     errors: list[ErrorRecord] = field(default_factory=list)

@@ -45,7 +45,7 @@ class TurnLimits:
 
 def encode_prompt(trajectory: Trajectory, encoder: ChatEncoder) -> None:
     """Step 1: the prompt's tokens, and its images on both sides."""
-    encoded = encoder.encode_prompt(trajectory.prompt)
+    encoded = encoder.encode_prompt(trajectory.prompt, trajectory.prompt_images)
     trajectory.set_prompt(encoded.token_ids)
     trajectory.image_data.extend(encoded.image_data)
     trajectory.train_inputs.add(encoded.train_inputs)

@@ -403,5 +403,10 @@ async def test_arith_vision_mode_puts_images_in_prompt_and_feedback():
 def test_arith_build_env_without_sample_and_with_a_bad_one():
     env = arith.build_env()
     assert env.answer == int(arith.make_prompts(1)[0]["label"]) and env.max_attempts == arith.DEFAULT_MAX_ATTEMPTS
-    with pytest.raises(ValueError, match="needs sample.label"):
-        arith.build_env(EnvSample(label="3"))
+    other = arith.build_env(EnvSample(prompt="prompt-7"))  # not one of make_prompts' rows
+    again = arith.build_env(EnvSample(prompt="prompt-7"))
+    assert (other.question, other.answer) == (again.question, again.answer)  # derived from the prompt
+    observation, done, _ = other.step("no idea")
+    assert not done and other.question in observation["obs_str"]
+    with pytest.raises(ValueError, match="needs an integer sample.label"):
+        arith.build_env(EnvSample(label="seven", metadata={"question": "3 + 4"}))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 import re
+import zlib
 from typing import Any
 
 from PIL import Image, ImageDraw
@@ -83,6 +84,8 @@ class ArithEnv(BaseInteractionEnv):
 
 def build_env(sample: Any = None, args: Any = None, **kw: Any) -> ArithEnv:
     """An ArithEnv for a row from `make_prompts` (its label and metadata); no sample: the first seed-0 row.
+    For any other prompt (no `metadata["question"]`), a question derived from the prompt's text, asked
+    in the env's feedback, so the embedded default runs multi-turn on whatever prompts it is given.
 
     The attempt limit is `max_attempts=` here, else `metadata["max_attempts"]`, else `args.max_turns`,
     else DEFAULT_MAX_ATTEMPTS; vision mode is `vision=` here, else `metadata["vision"]`.
@@ -92,8 +95,12 @@ def build_env(sample: Any = None, args: Any = None, **kw: Any) -> ArithEnv:
         label, metadata = row["label"], row["metadata"]
     else:
         label, metadata = sample.label, sample.metadata or {}
-    if label is None or "question" not in metadata:
-        raise ValueError("arith env needs sample.label and sample.metadata['question'] (rows from make_prompts)")
+    if "question" not in metadata:  # any other prompt: the env asks a question of its own in its feedback
+        row = make_prompts(1, seed=zlib.crc32(str(getattr(sample, "prompt", "")).encode()))[0]
+        label, metadata = row["label"], {**metadata, "question": row["metadata"]["question"]}
+    if not isinstance(label, int) and not str(label).lstrip("-").isdigit():
+        question = metadata["question"]
+        raise ValueError(f"arith env needs an integer sample.label for question {question!r}, got {label!r}")
     max_attempts = kw.get("max_attempts") or metadata.get("max_attempts") or getattr(args, "max_turns", None)
     return ArithEnv(
         metadata["question"],

@@ -78,9 +78,9 @@ class Scheduler:
         self._exhausted: Counter[ErrorClass] = Counter()
 
     # -- one trajectory ---------------------------------------------------------------------------
-    async def drive(self, trajectory: Trajectory, env: EnvRunner) -> None:
-        """Run `trajectory` to its end. It ends in exactly one terminal status; while generation is
-        paused it waits, PAUSED, with its env and its turn state."""
+    async def drive(self, trajectory: Trajectory, env: EnvRunner, sampling: SamplingParams | None = None) -> None:
+        """Run `trajectory` to its end (with `sampling`, default the scheduler's). It ends in exactly one
+        terminal status; while generation is paused it waits, PAUSED, with its env and its turn state."""
         env.limiter = self._env_threads
         if env.step_timeout is None:
             env.step_timeout = self.retry.env_step_timeout_s
@@ -92,7 +92,7 @@ class Scheduler:
             await self._env_call(trajectory, budget, env.reset)
             stop = out_of_room(trajectory, self.limits)
             while stop is None:
-                stop = await self._generate(trajectory, env, budget)  # 2, 3
+                stop = await self._generate(trajectory, env, budget, sampling or self.sampling)  # 2, 3
                 if stop is None:
                     step = partial(env_turn, trajectory, env, self.encoder, self.limits)
                     stop = await self._env_call(trajectory, budget, step, replay=env)  # 4, 5
@@ -140,7 +140,9 @@ class Scheduler:
         except Exception as exc:
             raise EnvError(ErrorClass.ENV_EXCEPTION, f"reward function raised {exc!r}") from exc
 
-    async def _generate(self, trajectory: Trajectory, env: EnvRunner, budget: RetryBudget) -> StopReason | None:
+    async def _generate(
+        self, trajectory: Trajectory, env: EnvRunner, budget: RetryBudget, sampling: SamplingParams
+    ) -> StopReason | None:
         """Steps 2 and 3: generate until the turn's generation is complete (an aborted turn is continued
         once generation resumes); then whether that ends the trajectory."""
         while True:
@@ -156,7 +158,7 @@ class Scheduler:
             self._generating[rid] = trajectory
             self._set_phase(trajectory, Phase.GENERATING)
             try:
-                result = await generate_turn(trajectory, self.backend, self.sampling, self.limits, rid=rid)
+                result = await generate_turn(trajectory, self.backend, sampling, self.limits, rid=rid)
                 trajectory.turns[-1].queue_seconds += waited
                 if result.finish_reason == "abort" and not self.generation_slots.is_closed:
                     raise BackendError(

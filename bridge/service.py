@@ -1,0 +1,276 @@
+"""The rollout service: a RolloutEngine kept alive across slime's rollout steps.
+
+Paused trajectories are coroutines with live envs, so the engine runs in a thread with its own event
+loop (an anyio blocking portal) and outlives each `generate_rollout` call. The service is a plain
+object with blocking methods: slime's rollout process holds one directly, or it lives in a named
+Ray actor (`ray_actor` in the `turnstile:` settings; created on first use, attached to after) that
+`turnstile serve` can also start.
+
+    service = RolloutService(settings)
+    out = service.rollout(rollout_id=3, target=32, groups=data_source.get_samples(48))
+    out.samples        # list[list[Sample]], each group whole; out.metrics: the step summary
+    service.resume("step-4")                      # after a weight update
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Awaitable
+from contextlib import nullcontext
+from dataclasses import dataclass, replace
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import anyio
+import anyio.abc
+from anyio.from_thread import start_blocking_portal
+
+from bridge.convert import to_sample
+from bridge.settings import BridgeSettings
+from engine.backends.base import Backend, SamplingParams
+from engine.encoding import ChatEncoder
+from engine.engine import RolloutEngine
+from engine.envs.loader import EnvFactory, EnvLoadError, EnvSample
+from engine.metrics.recorder import MetricsRecorder
+from engine.source import QueueSource
+from engine.trajectory import Trajectory
+from engine.turn import record_failure
+
+
+@dataclass
+class StepOutput:
+    samples: list[list[Any]]  # slime Samples, one list per group
+    metrics: dict[str, Any]
+    num_held: int  # groups admitted or queued and not yet returned
+
+
+class RolloutService:
+    def __init__(self, settings: BridgeSettings, env_args: Any = None, *, backend: Backend | None = None):
+        """`env_args` is what envs' `build_env(sample, args)` receives (slime's args; default: one with
+        `max_turns`). `backend` replaces the one the settings name (the caller keeps it open)."""
+        self.settings = settings
+        self._given_backend = backend
+        self._env_args = env_args if env_args is not None else SimpleNamespace(max_turns=settings.max_turns)
+        self._portal_cm = start_blocking_portal()
+        self._portal = self._portal_cm.__enter__()
+        self._source = QueueSource()
+        self.recorder = MetricsRecorder()
+        try:
+            self._served, _ = self._portal.start_task(self._serve)
+        except BaseException:
+            self._portal_cm.__exit__(None, None, None)
+            raise
+
+    async def _serve(self, *, task_status: anyio.abc.TaskStatus) -> None:
+        """The engine's lifetime: contexts are entered and left in this one task (anyio's rule)."""
+        from engine.models import load_tokenizer
+
+        s, t = self.settings, self.settings.turnstile
+        self._stop = anyio.Event()
+        self.processor = _processor(s.tokenizer, vision=t.vision)
+        self.tokenizer = self.processor.tokenizer if self.processor is not None else load_tokenizer(s.tokenizer)
+        self.encoder = ChatEncoder(self.tokenizer, processor=self.processor)
+        async with self._backend() if self._given_backend is None else nullcontext(self._given_backend) as backend:
+            self.backend = backend
+            make_env = EnvFactory(s.env_path, args=self._env_args, step_timeout=t.env_step_timeout_s)
+            self.engine = RolloutEngine(
+                backend=backend, encoder=self.encoder, env_factory=make_env, source=self._source,
+                config=s.engine_config(self.encoder.stop_token_ids), observers=[self.recorder],
+            )  # fmt: skip
+            async with self.engine:
+                task_status.started()
+                await self._stop.wait()
+
+    def _backend(self):
+        s = self.settings
+        if s.url is not None:
+            from engine.backends.sglang import SGLangBackend
+
+            return SGLangBackend(s.url)
+        from engine.backends.local import LocalBackend
+        from engine.models import load_model
+
+        model = s.turnstile.model if not s.turnstile.vision else "tiny-qwen2.5-vl"
+        return LocalBackend(load_model(model), self.tokenizer, processor=self.processor)
+
+    # -- steps -----------------------------------------------------------------------------------
+    def num_held(self) -> int:
+        """Groups admitted or queued and not yet returned: what the next step starts with."""
+        return self._portal.call(self._num_held)
+
+    async def _num_held(self) -> int:
+        return len(self.engine.held_groups) + len(self._source)
+
+    def wanted(self, target: int) -> int:
+        """How many new groups a step of `target` should be given: enough to keep
+        `target * over_sampling` in flight with partial rollout, `target` otherwise."""
+        factor = self.settings.over_sampling if self.settings.partial_rollout else 1.0
+        return max(0, math.ceil(target * factor) - self.num_held())
+
+    def rollout(self, rollout_id: int, target: int, groups: list[list[Any]]) -> StepOutput:
+        """Queue `groups` (slime Samples from the data source) and return `target` finished groups, as
+        slime Samples; fewer when the queued prompts run out (give more and call again)."""
+        return self._portal.call(self._rollout, rollout_id, target, groups)
+
+    async def _rollout(self, rollout_id: int, target: int, groups: list[list[Any]]) -> StepOutput:
+        self._source.put(row_from_group(group, rollout_id, self.settings) for group in groups)
+        finished = await self.engine.rollout(target)
+        samples = [
+            [to_sample(t, self.tokenizer, into=_sample_of(g, t.index), rollout_id=rollout_id) for t in g.trajectories]
+            for g in finished
+        ]
+        return StepOutput(samples, dict(self.engine.last_step_summary), await self._num_held())
+
+    def agenerate(self, sample: Any, sampling_params: dict[str, Any]) -> Awaitable[Any]:
+        """One trajectory for one slime Sample (slime's custom generate function), awaitable in the
+        caller's asyncio loop; it runs on this service's engine, its slots and retries."""
+        return asyncio.wrap_future(self._portal.start_task_soon(self._generate_one, sample, sampling_params))
+
+    def generate_one(self, sample: Any, sampling_params: dict[str, Any]) -> Any:
+        """`agenerate`, blocking (for a Ray actor's threads)."""
+        return self._portal.call(self._generate_one, sample, sampling_params)
+
+    async def _generate_one(self, sample: Any, sampling_params: dict[str, Any]) -> Any:
+        row = row_from_group([sample], (sample.metadata or {}).get("start_rollout_id", -1), self.settings)
+        trajectory = Trajectory(
+            prompt=row["prompt"], prompt_images=row["images"], group_id=sample.group_index or 0,
+            index=sample.index or 0, metadata=dict(row["metadata"]),
+        )  # fmt: skip
+        env_sample = EnvSample.from_row(row, index=trajectory.index, group_index=trajectory.group_id)
+        try:
+            env = self.engine.env_factory(env_sample)
+        except EnvLoadError as exc:
+            trajectory.finish(record_failure(trajectory, exc))
+        else:
+            await self.engine.scheduler.drive(trajectory, env, self._sampling(sampling_params))
+        return to_sample(trajectory, self.tokenizer, into=sample)
+
+    def _sampling(self, params: dict[str, Any]) -> SamplingParams:
+        """slime's sampling params over the engine's: temperature, top-p/k and stop ids; the per-turn cap
+        stays the engine's (slime's max_new_tokens is the whole response's budget)."""
+        base = self.engine.scheduler.sampling
+        stop_ids = tuple(dict.fromkeys((*base.stop_token_ids, *(params.get("stop_token_ids") or ()))))
+        return replace(
+            base,
+            temperature=params.get("temperature", base.temperature),
+            top_p=params.get("top_p", base.top_p),
+            top_k=params.get("top_k", base.top_k),
+            stop_token_ids=stop_ids,
+            max_new_tokens=min(base.max_new_tokens, params.get("max_new_tokens") or base.max_new_tokens),
+        )
+
+    def evaluate(self, datasets: dict[str, tuple[list[dict[str, Any]], int]]) -> dict[str, dict[str, list]]:
+        """Run each eval dataset (rows, samples per prompt) to the end on its own engine; slime's eval
+        structure: {name: {"rewards": [...], "truncated": [...], "samples": [...]}}."""
+        return self._portal.call(self._evaluate, datasets)
+
+    async def _evaluate(self, datasets: dict[str, tuple[list[dict[str, Any]], int]]) -> dict[str, dict[str, list]]:
+        results = {}
+        for name, (rows, n) in datasets.items():
+            config = self.engine.config.model_copy(
+                update={"n_samples_per_prompt": n, "partial_rollout": False, "metrics_port": None}
+            )
+            engine = RolloutEngine(
+                backend=self.backend,
+                encoder=self.encoder,
+                env_factory=self.engine.env_factory,
+                source=rows,
+                config=config,
+            )
+            async with engine:
+                groups = [group async for group in engine.stream()]
+            samples = [
+                to_sample(t, self.tokenizer) for g in sorted(groups, key=lambda g: g.group_id) for t in g.trajectories
+            ]
+            results[name] = {
+                "rewards": [s.reward for s in samples],
+                "truncated": [str(s.status.value) == "truncated" for s in samples],
+                "samples": samples,
+            }
+        return results
+
+    # -- weight updates and lifetime -------------------------------------------------------------
+    def pause(self) -> None:
+        """Generation stops for a weight update (requests in flight are aborted and keep their tokens)."""
+        self._portal.call(self.engine.pause)
+
+    def resume(self, weight_version: str | None = None) -> None:
+        """Generation goes on with `weight_version` (default: what the backend reports)."""
+        self._portal.call(self.engine.resume, weight_version)
+
+    def status(self) -> dict[str, Any]:
+        stats = self._portal.call(_snapshot, self.engine)
+        return {
+            "weight_version": self.engine.weight_version,
+            "groups_open": stats.num_groups_open,
+            "groups_done": stats.num_groups_done,
+            "groups_returned": stats.num_groups_returned,
+            "prompts_queued": len(self._source),
+            "trajectories_inflight": stats.num_trajectories_inflight,
+            "phases": {str(k): v for k, v in stats.scheduler.phases.items()},
+            "metrics_url": self.engine.exporter.url if self.engine.exporter is not None else None,
+        }
+
+    def shutdown(self) -> None:
+        """End the engine (trajectories still held end ABORTED) and its thread."""
+        if self._portal is not None:
+            try:
+                self._portal.call(self._stop.set)
+                self._served.result()
+            finally:
+                self._portal_cm.__exit__(None, None, None)
+                self._portal = None
+
+
+async def _snapshot(engine: RolloutEngine):
+    return engine.statistics()
+
+
+def row_from_group(group: list[Any], rollout_id: int, settings: BridgeSettings) -> dict[str, Any]:
+    """A prompt row for the engine from one group of slime Samples (copies of one prompt)."""
+    first = group[0]
+    images = list((first.multimodal_inputs or {}).get("images") or [])
+    prompt = first.prompt
+    if isinstance(prompt, str) and not settings.prompt_is_rendered:
+        prompt = [{"role": "user", "content": prompt}]
+    elif isinstance(prompt, list):
+        prompt, images = _fill_images(prompt, images), []
+    metadata = {**(first.metadata or {}), "start_rollout_id": rollout_id}
+    return {"prompt": prompt, "images": images, "label": first.label, "metadata": metadata, "samples": group}
+
+
+def _fill_images(messages: list[dict[str, Any]], images: list[Any]) -> list[dict[str, Any]]:
+    """Image parts without image data take the sample's images, in order."""
+    if not images:
+        return messages
+    pending, out = iter(images), []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            content = [
+                {**part, "image": next(pending)}
+                if isinstance(part, dict) and part.get("type") == "image" and "image" not in part
+                else part
+                for part in content
+            ]
+            message = {**message, "content": content}
+        out.append(message)
+    return out
+
+
+def _sample_of(group, index: int) -> Any:
+    samples = group.row.get("samples")
+    return samples[index] if samples is not None and index < len(samples) else None
+
+
+def _processor(tokenizer: str, *, vision: bool):
+    """The VLM processor: the embedded Qwen2.5-VL one when asked for, or the checkpoint's when it has one."""
+    from engine.models import load_processor
+
+    if tokenizer == "qwen2.5":
+        return load_processor("qwen2.5-vl") if vision else None
+    if (Path(tokenizer) / "preprocessor_config.json").exists():
+        return load_processor(tokenizer)
+    return None

@@ -1,0 +1,157 @@
+"""slime's `args`, read once, into Turnstile's settings. Nothing below the bridge sees `args`.
+
+slime's own flags are read where they apply (`n_samples_per_prompt`, `rollout_batch_size`,
+`over_sampling_batch_size`, `partial_rollout`, `mask_offpolicy_in_partial_rollout`,
+`rollout_max_response_len`, `rollout_max_context_len`, `rollout_temperature` / `top_p` / `top_k`,
+`rollout_stop_token_ids`, `hf_checkpoint`, `apply_chat_template`, `sglang_router_ip` / `port`,
+`rollout_num_gpus`), as are the keys slime's multi-turn examples put in `--custom-config-path`
+(`max_turns`, `rollout_interaction_env_path`). Turnstile's own settings come from a `turnstile:`
+mapping in the same YAML (it lands on `args.turnstile`):
+
+    max_turns: 6
+    rollout_interaction_env_path: my_pkg.env_geo3k
+    turnstile:
+      max_generating: 256        # concurrent generate requests
+      max_env_steps: 64          # concurrent env steps
+      policy: oldest             # fifo | group_completion | oldest
+      over_sampling: 1.75        # with --partial-rollout (default: over_sampling_batch_size / rollout_batch_size)
+      max_staleness: 1
+      max_new_tokens: 1024       # per turn (default: rollout_max_response_len)
+      retry: {per_trajectory: 8, env_step_timeout_s: 120}
+      metrics_port: 9400         # Prometheus /metrics on metrics_host (default 127.0.0.1)
+      ray_actor: turnstile-rollout   # host the engine in this named Ray actor (default: in the rollout process)
+
+With `args=None`, or an `args` without these, the bridge runs the embedded default: the tiny local
+model, the Qwen tokenizer and the built-in arithmetic env.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt
+
+from engine.backends.base import SamplingParams
+from engine.config import EngineConfig
+from engine.scheduler.queue import Policy
+from engine.scheduler.retry import RetryPolicy
+from engine.turn import TurnLimits
+
+EMBEDDED_TARGET_GROUPS = 2  # groups per step when slime's args do not say
+
+
+class TurnstileSection(BaseModel):
+    """The `turnstile:` mapping of slime's custom config YAML."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_generating: PositiveInt = 256
+    max_env_steps: PositiveInt = 64
+    max_inflight: PositiveInt | None = None
+    policy: Policy = Policy.GROUP_COMPLETION
+    over_sampling: float | None = Field(None, ge=1.0)
+    max_staleness: int = Field(1, ge=0)
+    on_stale: Literal["restart", "finish"] = "restart"
+    drop_zero_std: bool = False
+    max_new_tokens: PositiveInt | None = None
+    env_step_timeout_s: float | None = Field(None, gt=0)
+    retry: RetryPolicy = RetryPolicy()
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
+    vision: bool = False  # the embedded default's VLM (tiny Qwen2.5-VL, images in observations)
+    model: str = "tiny-qwen2"  # the embedded default's model, when no SGLang router is given
+    ray_actor: str | None = None
+
+
+class BridgeSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    n_samples_per_prompt: PositiveInt = 1
+    target_groups: PositiveInt = EMBEDDED_TARGET_GROUPS
+    partial_rollout: bool = False
+    mask_offpolicy: bool = False
+    over_sampling: float = 1.0
+    max_turns: PositiveInt = 6
+    env_path: str = "engine.envs.arith"
+    tokenizer: str = "qwen2.5"  # a Hugging Face tokenizer directory, or the embedded "qwen2.5"
+    prompt_is_rendered: bool = False  # slime applied the chat template: prompts are text, not messages
+    url: str | None = None  # SGLang router; None: the embedded local backend
+    max_tokens: PositiveInt = 2048  # response budget of a trajectory
+    max_context_len: PositiveInt | None = None
+    sampling: SamplingParams = SamplingParams(max_new_tokens=256)
+    num_gpus: int | None = None
+    turnstile: TurnstileSection = TurnstileSection()
+
+    @classmethod
+    def embedded(cls, n_samples_per_prompt: int) -> BridgeSettings:
+        """The embedded default, for `args=None`: small steps of short turns with the tiny local model."""
+        return cls(
+            n_samples_per_prompt=n_samples_per_prompt,
+            max_turns=4,
+            max_tokens=512,
+            sampling=SamplingParams(max_new_tokens=48),
+        )
+
+    def engine_config(self, stop_token_ids: tuple[int, ...]) -> EngineConfig:
+        t = self.turnstile
+        per_group = self.n_samples_per_prompt
+        groups_in_flight = math.ceil(self.target_groups * (self.over_sampling if self.partial_rollout else 1.0))
+        return EngineConfig(
+            n_samples_per_prompt=per_group,
+            max_inflight=t.max_inflight or max(groups_in_flight * per_group, per_group),
+            max_generating=t.max_generating,
+            max_env_steps=t.max_env_steps,
+            policy=t.policy,
+            partial_rollout=self.partial_rollout,
+            over_sampling=self.over_sampling,
+            max_staleness=t.max_staleness,
+            on_stale=t.on_stale,
+            mask_offpolicy=self.mask_offpolicy,
+            drop_zero_std=t.drop_zero_std,
+            limits=TurnLimits(
+                max_turns=self.max_turns, max_tokens=self.max_tokens, max_context_len=self.max_context_len
+            ),
+            sampling=replace(self.sampling, stop_token_ids=self.sampling.stop_token_ids or stop_token_ids),
+            retry=t.retry
+            if t.env_step_timeout_s is None
+            else t.retry.model_copy(update={"env_step_timeout_s": t.env_step_timeout_s}),
+            metrics_port=t.metrics_port,
+            metrics_host=t.metrics_host,
+        )
+
+
+def settings_from_args(args: Any) -> BridgeSettings:
+    """Read slime's `args` (any object with attributes, or None) once."""
+    get = lambda name, default=None: getattr(args, name, default) if args is not None else default  # noqa: E731
+    section = TurnstileSection.model_validate(get("turnstile") or {})
+    target = get("rollout_batch_size") or EMBEDDED_TARGET_GROUPS
+    over_sampling = section.over_sampling or max(1.0, (get("over_sampling_batch_size") or target) / target)
+    response_len = get("rollout_max_response_len") or 2048
+    router_ip, router_port = get("sglang_router_ip"), get("sglang_router_port")
+    temperature, top_k = get("rollout_temperature"), get("rollout_top_k")
+    sampling = SamplingParams(
+        max_new_tokens=section.max_new_tokens or min(response_len, 1024),
+        temperature=1.0 if temperature is None else temperature,
+        top_p=get("rollout_top_p") or 1.0,
+        top_k=-1 if top_k is None else top_k,
+        stop_token_ids=tuple(get("rollout_stop_token_ids") or ()),
+    )
+    return BridgeSettings(
+        n_samples_per_prompt=get("n_samples_per_prompt") or 1,
+        target_groups=target,
+        partial_rollout=bool(get("partial_rollout", False)),
+        mask_offpolicy=bool(get("mask_offpolicy_in_partial_rollout", False)),
+        over_sampling=over_sampling,
+        max_turns=get("max_turns") or 6,
+        env_path=get("rollout_interaction_env_path") or "engine.envs.arith",
+        tokenizer=get("hf_checkpoint") or "qwen2.5",
+        prompt_is_rendered=bool(get("apply_chat_template", False)),
+        url=f"http://{router_ip}:{router_port}" if router_ip and router_port else None,
+        max_tokens=response_len,
+        max_context_len=get("rollout_max_context_len"),
+        sampling=sampling,
+        num_gpus=get("rollout_num_gpus"),
+        turnstile=section,
+    )
