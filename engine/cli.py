@@ -1,4 +1,5 @@
-"""`turnstile run`: multi-turn trajectories of a model against an env, one JSON line per trajectory.
+"""`turnstile run`: multi-turn trajectories of a model against an env, one JSON line per trajectory;
+`turnstile serve`: the rollout service for slime as a named Ray actor.
 
 Runs the turn-level engine (`engine.engine.RolloutEngine`) over the prompts and writes each group's
 trajectories as it finishes.
@@ -61,7 +62,13 @@ def main(argv: list[str] | None = None) -> int:
                "log-sample": float}  # fmt: skip
     for flag, kind in numbers.items():
         run.add_argument(f"--{flag}", type=kind)
+    serve = commands.add_parser("serve", help="start the rollout service as a named Ray actor")
+    serve.add_argument("--name", default="turnstile-rollout", help="the actor's name (namespace `turnstile`)")
+    serve.add_argument("--config", help="a YAML as slime's --custom-config-path takes (its `turnstile:` section)")
+    serve.add_argument("--detach", action="store_true", help="leave the actor running and return")
     args = parser.parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
     try:
         config = _config_from(args)
         rows = _load_rows(args, config)
@@ -71,6 +78,32 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as exc:  # bad settings, prompts or env: one error naming it
         parser.error(str(exc))
     return anyio.run(_run, config, rows, make_env, args.out)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    """Start (or attach to) the named service actor; without --detach, hold it until interrupted."""
+    import signal
+    import threading
+
+    import yaml
+
+    from bridge.ray_actor import attach_or_create
+    from bridge.settings import settings_from_args
+
+    values = yaml.safe_load(Path(args.config).read_text()) if args.config else {}
+    settings = settings_from_args(SimpleNamespace(**(values or {})))
+    service = attach_or_create(args.name, settings, SimpleNamespace(**(values or {})))
+    print(f"turnstile: service {args.name!r} is up: {json.dumps(service.status())}", file=sys.stderr)
+    if args.detach:
+        return 0
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        stop.wait()
+    except KeyboardInterrupt:
+        pass
+    service.shutdown()
+    return 0
 
 
 def _config_from(args: argparse.Namespace) -> RunConfig:

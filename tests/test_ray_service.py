@@ -1,0 +1,67 @@
+"""The rollout service as a named Ray actor: created once, attached to by name, driven through
+generate_rollout, shut down."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from bridge.ray_actor import attach_or_create
+from bridge.settings import BridgeSettings
+from bridge.slime import SERVICE_ATTRIBUTE, generate_rollout
+from tests.test_bridge import DataSource
+
+ray = pytest.importorskip("ray", reason="Ray is part of the dev extra; install it with `pip install -e .[dev]`")
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=2, include_dashboard=False, ignore_reinit_error=True, namespace="turnstile")
+    yield
+    ray.shutdown()
+
+
+@pytest.mark.slow
+def test_the_service_is_a_named_actor_that_generate_rollout_drives(local_ray):
+    settings = BridgeSettings.embedded(2).model_copy(update={"partial_rollout": True, "over_sampling": 2.0})
+    service = attach_or_create("turnstile-test", settings)
+    try:
+        again = attach_or_create("turnstile-test", settings)  # attached to, not created again
+        assert ray.get_actor("turnstile-test", namespace="turnstile") is not None
+        args = SimpleNamespace(**{SERVICE_ATTRIBUTE: again})
+        source = DataSource(n_samples=2)
+        out = generate_rollout(args, 0, source)
+        assert len(out.samples) == 2 and all(len(group) == 2 for group in out.samples)
+        for group in out.samples:
+            for sample in group:
+                assert len(sample.loss_mask) == len(sample.rollout_log_probs) == sample.response_length
+        status = service.status()  # the first handle sees what the second one did
+        assert status["groups_returned"] == 2
+        held = service.num_held()
+        assert held == status["groups_open"] + status["groups_done"] + status["prompts_queued"]
+        assert len(source.handed_out) == 2 + held  # the rest of what was taken is held in the actor
+        service.pause()
+        service.resume("step-1")
+        assert service.status()["weight_version"] == "step-1"
+    finally:
+        service.shutdown()
+    with pytest.raises(ValueError):
+        ray.get_actor("turnstile-test", namespace="turnstile")
+
+
+@pytest.mark.slow
+def test_turnstile_serve_starts_a_detached_actor_from_a_slime_config(local_ray, tmp_path, capsys):
+    from engine.cli import main
+
+    config = tmp_path / "turnstile.yaml"
+    config.write_text("max_turns: 2\nn_samples_per_prompt: 2\nturnstile:\n  max_new_tokens: 8\n  max_generating: 4\n")
+    assert main(["serve", "--name", "turnstile-serve-test", "--config", str(config), "--detach"]) == 0
+    assert "service 'turnstile-serve-test' is up" in capsys.readouterr().err
+    service = attach_or_create("turnstile-serve-test", BridgeSettings())  # attaches: the settings are not used
+    try:
+        out = generate_rollout(SimpleNamespace(**{SERVICE_ATTRIBUTE: service}), 0, DataSource(n_samples=2))
+        assert all(len(group) == 2 for group in out.samples)
+        assert all(t["num_generated"] <= 8 for g in out.samples for s in g for t in s.metadata["turns"])
+    finally:
+        service.shutdown()
