@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 INSTALLED := $(VENV)/.installed
 
-.PHONY: run test bench
+.PHONY: run test bench sglang
 
 $(INSTALLED): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,6 +16,10 @@ run: $(INSTALLED)
 
 test: $(INSTALLED)
 	$(VENV)/bin/python -m pytest $(ARGS)
+
+# The end-to-end tier's SGLang (its own venv, cached under $$TURNSTILE_CACHE; ~11 GB, a few minutes once).
+sglang: $(INSTALLED)
+	$(VENV)/bin/python -m tests.sglang_cpu.server install
 
 bench: $(INSTALLED)
 	mkdir -p reports

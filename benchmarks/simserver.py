@@ -17,7 +17,7 @@ depend on the conversation up to the turn's start only, and an aborted turn resu
 the same stream. Text is a placeholder; clients decode `output_ids` themselves.
 
 Endpoints: POST /generate, /abort_request, /pause_generation, /continue_generation,
-/update_weights_from_disk; GET /get_weight_version, /health, /health_generate, /server_info; and for
+/update_weights_from_disk; GET /model_info, /health, /health_generate, /server_info; and for
 the benchmark GET /stats (measurements since the last POST /stats/reset) and POST /sim/reset (abort
 everything, forget the model's and the cache's state, set the weight version).
 """
@@ -225,8 +225,8 @@ class SimServer:
         message = "Succeeded to update model weights."
         return web.json_response({"success": True, "message": message, "num_paused_requests": len(self.waiting)})
 
-    async def get_weight_version(self, http: web.Request) -> web.Response:
-        return web.json_response({"weight_version": self.weight_version})
+    async def model_info(self, http: web.Request) -> web.Response:
+        return web.json_response({"model_path": "sim", "is_generation": True, "weight_version": self.weight_version})
 
     async def health(self, http: web.Request) -> web.Response:
         return web.Response(status=200)
@@ -259,7 +259,7 @@ class SimServer:
             ("POST", "/pause_generation", self.pause_generation),
             ("POST", "/continue_generation", self.continue_generation),
             ("POST", "/update_weights_from_disk", self.update_weights_from_disk),
-            ("GET", "/get_weight_version", self.get_weight_version),
+            ("GET", "/model_info", self.model_info),
             ("GET", "/health", self.health),
             ("GET", "/health_generate", self.health),
             ("GET", "/server_info", self.server_info),

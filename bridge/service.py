@@ -32,7 +32,7 @@ from bridge.settings import BridgeSettings
 from engine.backends.base import Backend, SamplingParams
 from engine.encoding import ChatEncoder
 from engine.engine import RolloutEngine
-from engine.envs.loader import EnvFactory, EnvLoadError, EnvSample
+from engine.envs.loader import EnvFactory, EnvLoadError
 from engine.metrics.recorder import MetricsRecorder
 from engine.source import QueueSource
 from engine.trajectory import Trajectory
@@ -88,7 +88,7 @@ class RolloutService:
         if s.url is not None:
             from engine.backends.sglang import SGLangBackend
 
-            return SGLangBackend(s.url)
+            return SGLangBackend(s.url, image_token_id=self.encoder.image_token_id)
         from engine.backends.local import LocalBackend
         from engine.models import load_model
 
@@ -138,9 +138,8 @@ class RolloutService:
             prompt=row["prompt"], prompt_images=row["images"], group_id=sample.group_index or 0,
             index=sample.index or 0, metadata=dict(row["metadata"]),
         )  # fmt: skip
-        env_sample = EnvSample.from_row(row, index=trajectory.index, group_index=trajectory.group_id)
         try:
-            env = self.engine.env_factory(env_sample)
+            env = self.engine.env_factory(sample)  # the env sees slime's Sample, as in slime's own loop
         except EnvLoadError as exc:
             trajectory.finish(record_failure(trajectory, exc))
         else:
@@ -271,6 +270,7 @@ def _processor(tokenizer: str, *, vision: bool):
 
     if tokenizer == "qwen2.5":
         return load_processor("qwen2.5-vl") if vision else None
-    if (Path(tokenizer) / "preprocessor_config.json").exists():
+    # Hugging Face checkpoints carry preprocessor_config.json; transformers 5 saves processor_config.json
+    if any((Path(tokenizer) / name).exists() for name in ("preprocessor_config.json", "processor_config.json")):
         return load_processor(tokenizer)
     return None

@@ -170,7 +170,8 @@ def _backend(config: RunConfig, tokenizer: Any, processor: Any) -> Backend:
         from engine.backends.sglang import SGLangBackend
 
         urls = [url.strip() for url in config.backend.url.split(",") if url.strip()]
-        servers = [SGLangBackend(url, timeout=config.backend.timeout) for url in urls]
+        image_token_id = getattr(processor, "image_token_id", None)
+        servers = [SGLangBackend(url, timeout=config.backend.timeout, image_token_id=image_token_id) for url in urls]
         return servers[0] if len(servers) == 1 else BackendPool(servers)
     from engine.backends.local import LocalBackend
     from engine.models import load_model

@@ -105,6 +105,11 @@ class ChatEncoder:
         eos = self.tokenizer.eos_token_id
         return tuple(dict.fromkeys(t for t in (self.end_of_turn_id, eos) if t is not None))
 
+    @property
+    def image_token_id(self) -> int | None:
+        """The token an image expands into (`<|image_pad|>` for Qwen-VL); None without a VLM processor."""
+        return getattr(self.processor, "image_token_id", None) if self.processor is not None else None
+
     def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool) -> str:
         return self._renderer.apply_chat_template(
             self._for_template(messages),

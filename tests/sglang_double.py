@@ -51,6 +51,7 @@ class Generate:
     status: int = 200
     drop: tuple[str, ...] = ()
     output_ids: Sequence[int] | None = None
+    prompt_tokens: int | None = None  # default: len(input_ids); SGLang counts images expanded
 
 
 @dataclass(frozen=True)
@@ -215,7 +216,7 @@ class SGLangDouble:
         meta: dict[str, Any] = {
             "id": request.get("rid") or uuid.uuid4().hex,
             "finish_reason": finish,
-            "prompt_tokens": len(input_ids),
+            "prompt_tokens": len(input_ids) if spec.prompt_tokens is None else spec.prompt_tokens,
             "weight_version": spec.weight_version if spec.weight_version is not None else self.weight_version,
             "completion_tokens": len(tokens),
             "cached_tokens": spec.cached_tokens,
@@ -243,8 +244,8 @@ class SGLangDouble:
         if (method, path) == ("GET", "/health"):
             self.health_checked.set()
             return (200 if self.healthy else 503), b""
-        if (method, path) == ("GET", "/get_weight_version"):
-            return 200, {"weight_version": self.weight_version}
+        if (method, path) == ("GET", "/model_info"):
+            return 200, {"model_path": "double", "is_generation": True, "weight_version": self.weight_version}
         if (method, path) == ("POST", "/abort_request"):
             rid = body.get("rid")
             if body.get("abort_all"):

@@ -82,6 +82,26 @@ async def test_generate_sends_sglang_request_body(server, backend):
 
 
 @pytest.mark.anyio
+async def test_image_pads_go_one_per_image_and_must_expand_to_the_encoders_count(server):
+    """SGLang expands each image's placeholder itself: each run of pads is sent as one, and the
+    server's prompt length must match the encoder's expansion."""
+    pad, start, end = 151655, 151652, 151653
+    prompt = [1, start, pad, pad, pad, end, 2, start, pad, pad, end, 3]
+    async with SGLangBackend(server.url, image_token_id=pad) as backend:
+        server.script(Generate(token_ids=[7], prompt_tokens=len(prompt)), Generate(token_ids=[7], prompt_tokens=9))
+        result = await backend.generate(prompt, SamplingParams(max_new_tokens=1), image_data=["a", "b"])
+        assert result.token_ids == [7]
+        sent = server.requests_to("/generate")[0].body["input_ids"]
+        assert sent == [1, start, pad, end, 2, start, pad, end, 3]
+        with pytest.raises(BackendError) as info:
+            await backend.generate(prompt, SamplingParams(max_new_tokens=1), image_data=["a", "b"])
+        assert info.value.error_class is ErrorClass.CLIENT
+        assert "prompt of 9 tokens, the encoder into 12" in info.value.message
+        await backend.generate(prompt, SamplingParams(max_new_tokens=1))  # no images: sent as is
+        assert server.requests_to("/generate")[-1].body["input_ids"] == prompt
+
+
+@pytest.mark.anyio
 async def test_headers_go_with_every_request(server):
     async with SGLangBackend(server.url, headers={"X-SMG-Routing-Key": "session-3"}) as backend:
         await backend.generate([1], PARAMS)
@@ -409,13 +429,13 @@ async def test_weight_version(server, backend):
     assert await backend.weight_version() == "step-7"
     server.weight_version = None
     assert await backend.weight_version() is None
-    assert [(r.method, r.path) for r in server.requests] == [("GET", "/get_weight_version")] * 2
+    assert [(r.method, r.path) for r in server.requests] == [("GET", "/model_info")] * 2
 
-    server.reply_next("/get_weight_version", Raw(200, {"version": 3}))
+    server.reply_next("/model_info", Raw(200, {"version": 3}))
     with pytest.raises(BackendError) as info:
         await backend.weight_version()
     assert info.value.error_class is ErrorClass.MALFORMED
-    assert "GET /get_weight_version" in info.value.message and "'version': 3" in info.value.message
+    assert "GET /model_info" in info.value.message and "'version': 3" in info.value.message
 
 
 @pytest.mark.anyio

@@ -1,7 +1,7 @@
 """The backend protocol: what the turn loop asks of an inference server.
 
 SGLang's HTTP API is the reference (`/generate`, `/abort_request`, `/pause_generation`,
-`/continue_generation`, `/get_weight_version`, `/health`); the local backend gives the same
+`/continue_generation`, `/model_info`, `/health`); the local backend gives the same
 semantics in process. Failures are raised as `engine.errors.BackendError`, classified.
 
     async with SGLangBackend("http://127.0.0.1:30000") as backend:

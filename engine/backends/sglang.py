@@ -88,6 +88,11 @@ def parse_generate_reply(body: Any) -> GenerateResult:
     )
 
 
+def collapse_image_pads(input_ids: list[int], image_token_id: int) -> list[int]:
+    """`input_ids` with every run of `image_token_id` cut to one token."""
+    return [t for i, t in enumerate(input_ids) if t != image_token_id or i == 0 or input_ids[i - 1] != image_token_id]
+
+
 class SGLangBackend:
     """One SGLang server over HTTP, through one connection pool; see the module docstring.
 
@@ -109,8 +114,10 @@ class SGLangBackend:
         connect_timeout: float = 10.0,
         max_connections: int = 1024,
         headers: dict[str, str] | None = None,
+        image_token_id: int | None = None,
     ):
         self.url = url.rstrip("/")
+        self.image_token_id = image_token_id
         self._client = httpx.AsyncClient(
             base_url=self.url,
             timeout=httpx.Timeout(timeout, connect=connect_timeout),
@@ -184,9 +191,18 @@ class SGLangBackend:
         *,
         rid: str | None = None,
     ) -> GenerateResult:
-        """POST /generate with `input_ids` (and `image_data`, `rid` when given), log-probs on."""
+        """POST /generate with `input_ids` (and `image_data`, `rid` when given), log-probs on.
+
+        With images, SGLang expands each image's placeholder itself and takes one image pad per image
+        (0.5.23 never answers a request whose pads are already expanded). Given `image_token_id`, each
+        run of it is sent as one pad, and the server's `prompt_tokens` must equal `len(input_ids)`: the
+        positions the model sees are the ones the trajectory records, or a CLIENT error says otherwise.
+        """
+        sent = list(input_ids)
+        if image_data and self.image_token_id is not None:
+            sent = collapse_image_pads(sent, self.image_token_id)
         body: dict[str, Any] = {
-            "input_ids": list(input_ids),
+            "input_ids": sent,
             "sampling_params": sampling_params.to_sglang(),
             "return_logprob": True,
         }
@@ -207,9 +223,16 @@ class SGLangBackend:
                 raise self._status_error(where, response)
             return result
         try:
-            return parse_generate_reply(self._json(where, response))
+            result = parse_generate_reply(self._json(where, response))
         except ValueError as exc:
             raise self._error(ErrorClass.MALFORMED, where, str(exc), response.text) from exc
+        if len(sent) != len(input_ids) and result.finish_reason != "abort" and result.prompt_tokens != len(input_ids):
+            detail = (
+                f"the server expanded {len(image_data or ())} image(s) into a prompt of {result.prompt_tokens} "
+                f"tokens, the encoder into {len(input_ids)}: its image processor settings differ from the encoder's"
+            )
+            raise self._error(ErrorClass.CLIENT, where, detail)
+        return result
 
     async def abort(self, rid: str | None = None) -> None:
         """POST /abort_request for one request id, or for every request when `rid` is None."""
@@ -228,9 +251,10 @@ class SGLangBackend:
         await self._call("POST", "/continue_generation", {})
 
     async def weight_version(self) -> str | None:
-        """GET /get_weight_version: the version of the weights the server generates with."""
-        where = "GET /get_weight_version"
-        reply = self._json(where, await self._call("GET", "/get_weight_version"))
+        """GET /model_info's `weight_version`: the version of the weights the server generates with
+        (SGLang 0.5.x serves it there; there is no /get_weight_version)."""
+        where = "GET /model_info"
+        reply = self._json(where, await self._call("GET", "/model_info"))
         if not isinstance(reply, dict) or "weight_version" not in reply:
             raise self._error(ErrorClass.MALFORMED, where, "no weight_version in the reply", str(reply))
         version = reply["weight_version"]

@@ -48,7 +48,12 @@ class EnvSample:
 
     @classmethod
     def from_row(cls, row: dict[str, Any], *, index: int | None = None, group_index: int | None = None) -> EnvSample:
-        """From a prompt row `{"prompt": ..., "label": ..., "metadata": {...}}`."""
+        """From a prompt row `{"prompt": ..., "label": ..., "metadata": {...}}`. A row that carries the
+        caller's own sample objects, one per trajectory (`row["samples"]`: slime's Samples, from the
+        bridge), gives the env that sample itself, as slime's own rollout would."""
+        samples = row.get("samples")
+        if samples is not None and index is not None and index < len(samples):
+            return samples[index]
         return cls(row.get("prompt", ""), row.get("label"), dict(row.get("metadata") or {}), index, group_index)
 
 

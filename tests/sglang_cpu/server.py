@@ -1,0 +1,223 @@
+"""TEST INFRASTRUCTURE: a real SGLang server on a CPU-only machine, for the end-to-end test tier.
+
+    python -m tests.sglang_cpu.server install          # the SGLang venv (cached; ~4 min and ~11 GB once)
+    python -m tests.sglang_cpu.server serve --port 30000  # serve the tiny Qwen2.5-VL model until Ctrl-C
+
+    with SGLangServer(model_dir("tiny-qwen2.5-vl")) as server:   # in tests
+        ... server.url ...
+
+SGLang pins its own torch, so it lives in its own virtual environment: $TURNSTILE_SGLANG_VENV, else
+`<turnstile cache>/sglang-venv`. A finished install leaves a marker naming the version, so a half-done
+install is redone rather than used. The server runs SGLang's torch-native CPU path
+(SGLANG_USE_CPU_ENGINE=1, --device cpu) with the stand-in `sgl_kernel` of `standin/` first on the
+server process's PYTHONPATH (see standin/sgl_kernel/__init__.py for why and what it holds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from engine.models import cache_dir, load_model, load_processor
+
+SGLANG_VERSION = "0.5.23"
+STANDIN = Path(__file__).parent / "standin"
+STARTUP_TIMEOUT_S = 600.0  # ~25 s warm; a cold start compiles and loads far more on a busy 2-core machine
+
+
+class SGLangUnavailable(RuntimeError):
+    """The SGLang venv is missing or broken, or the server did not come up; the message says which and why."""
+
+
+def venv_dir() -> Path:
+    return Path(os.environ.get("TURNSTILE_SGLANG_VENV") or cache_dir() / "sglang-venv")
+
+
+def venv_python() -> Path:
+    return venv_dir() / "bin" / "python"
+
+
+def _marker() -> Path:
+    return venv_dir() / f".turnstile-sglang-{SGLANG_VERSION}"
+
+
+def is_installed() -> bool:
+    return _marker().exists() and venv_python().exists()
+
+
+def install(log=sys.stderr) -> Path:
+    """Create the venv and `pip install sglang==SGLANG_VERSION` into it, unless already done.
+    Raises SGLangUnavailable with pip's last lines when the install fails."""
+    if is_installed():
+        return venv_python()
+    shutil.rmtree(venv_dir(), ignore_errors=True)
+    venv_dir().parent.mkdir(parents=True, exist_ok=True)
+    steps = [
+        [sys.executable, "-m", "venv", str(venv_dir())],
+        [str(venv_python()), "-m", "pip", "install", "-q", "--upgrade", "pip"],
+        # torch first, pinned to the wheels this project uses; sglang then finds its pin satisfied
+        [str(venv_python()), "-m", "pip", "install", "-q", "torch==2.14.1", "torchvision==0.29.1"],
+        [str(venv_python()), "-m", "pip", "install", "-q", f"sglang=={SGLANG_VERSION}"],
+    ]
+    for step in steps:
+        print(f"sglang-cpu: {' '.join(step[-3:])}", file=log, flush=True)
+        done = subprocess.run(step, capture_output=True, text=True)
+        if done.returncode != 0:
+            tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-15:])
+            raise SGLangUnavailable(f"installing SGLang {SGLANG_VERSION} failed at `{' '.join(step)}`:\n{tail}")
+    probe = _import_probe()
+    if probe:
+        raise SGLangUnavailable(f"SGLang {SGLANG_VERSION} installed but does not import: {probe}")
+    _marker().write_text(SGLANG_VERSION)
+    return venv_python()
+
+
+def _import_probe() -> str:
+    """'' when sglang's server module imports in the venv with the stand-in kernels, else the error's tail."""
+    done = subprocess.run(
+        [str(venv_python()), "-c", "import sglang.launch_server"],
+        capture_output=True, text=True, env=_server_env(),
+    )  # fmt: skip
+    return "" if done.returncode == 0 else "\n".join(done.stderr.strip().splitlines()[-5:])
+
+
+def model_dir(name: str = "tiny-qwen2.5-vl") -> Path:
+    """A directory SGLang can serve: the tiny model's config and weights with the processor's files
+    (tokenizer, chat template, preprocessor config) beside them."""
+    path = cache_dir() / "sglang-models" / name
+    if (path / "config.json").exists():  # written by one rename, so never half there
+        return path
+    tmp = path.with_name(f"{name}.tmp-{os.getpid()}")
+    load_model(name).save_pretrained(tmp)
+    if name == "tiny-qwen2.5-vl":
+        load_processor().save_pretrained(tmp)
+    else:
+        from engine.models import load_tokenizer
+
+        load_tokenizer().save_pretrained(tmp)
+    try:
+        tmp.rename(path)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _server_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(STANDIN), *filter(None, [env.get("PYTHONPATH")])])
+    env["SGLANG_USE_CPU_ENGINE"] = "1"
+    env.pop("VIRTUAL_ENV", None)
+    return env
+
+
+class SGLangServer:
+    """`sglang.launch_server` on CPU in its own process group; ready when /health answers 200."""
+
+    def __init__(self, model_path: Path, *, port: int | None = None, log_path: Path | None = None, extra: tuple = ()):
+        self.model_path, self.port = Path(model_path), port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path or cache_dir() / "sglang-logs" / f"server-{self.port}.log"
+        self.extra = tuple(extra)
+        self.process: subprocess.Popen | None = None
+
+    def command(self) -> list[str]:
+        return [
+            str(venv_python()), "-m", "sglang.launch_server",
+            "--model-path", str(self.model_path), "--host", "127.0.0.1", "--port", str(self.port),
+            "--device", "cpu", "--max-total-tokens", "65536", "--disable-overlap-schedule",
+            "--mem-fraction-static", "0.5", "--max-running-requests", "64", "--skip-server-warmup",
+            *self.extra,
+        ]  # fmt: skip
+
+    def start(self) -> SGLangServer:
+        if not is_installed():
+            raise SGLangUnavailable(
+                f"no SGLang venv at {venv_dir()}: run `python -m tests.sglang_cpu.server install` (.ci/run does)"
+            )
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("w")
+        self.process = subprocess.Popen(
+            self.command(), stdout=log, stderr=subprocess.STDOUT, env=_server_env(), start_new_session=True
+        )
+        self._wait_ready()
+        return self
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        with httpx.Client(timeout=5.0) as client:
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    raise SGLangUnavailable(f"SGLang exited with {self.process.returncode} at startup:\n{self.log_tail()}")
+                try:
+                    if client.get(f"{self.url}/health").status_code == 200:
+                        return
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.5)  # polling a server that is starting: there is no event to wait on
+        self.stop()
+        raise SGLangUnavailable(f"SGLang not healthy after {STARTUP_TIMEOUT_S:.0f} s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+    def __enter__(self) -> SGLangServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.sglang_cpu.server")
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("install", help="create the SGLang venv (cached)")
+    serve = commands.add_parser("serve", help="serve a tiny model until interrupted")
+    serve.add_argument("--model", default="tiny-qwen2.5-vl", choices=["tiny-qwen2.5-vl", "tiny-qwen2"])
+    serve.add_argument("--port", type=int, default=30000)
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # so the server below is stopped, not orphaned
+    try:
+        if args.command == "install":
+            print(install())
+            return 0
+        with SGLangServer(model_dir(args.model), port=args.port) as server:
+            print(f"SGLang serving {args.model} at {server.url} (log: {server.log_path})", flush=True)
+            server.process.wait()
+    except SGLangUnavailable as error:
+        print(f"sglang-cpu: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,182 @@
+"""End to end against a real SGLang server on CPU (tests/sglang_cpu/): slime's rollout function over a
+slime-shaped `args` and data source, a tiny random-weight Qwen2.5-VL model, images in the prompts
+and in every env observation, partial rollout across steps with `update_weights_from_disk` between
+them, and an env that fails now and then (tests/envs/flaky_vision.py).
+
+Needs the SGLang venv (`python -m tests.sglang_cpu.server install`; `.ci/run` does it). Without it
+these tests skip saying so, or fail when TURNSTILE_REQUIRE_SGLANG=1 (as in CI).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from types import SimpleNamespace
+
+import anyio
+import httpx
+import pytest
+
+from bridge.convert import Sample
+from bridge.slime import SERVICE_ATTRIBUTE, generate, generate_rollout
+from engine.envs.arith import make_prompts
+from tests.sglang_cpu.server import SGLangServer, SGLangUnavailable, is_installed, model_dir, venv_dir
+
+pytestmark = pytest.mark.sglang
+
+N_SAMPLES, TARGET, STEPS = 2, 4, 4
+ATTEMPT = re.compile(r"\[attempt (\d+)\]")
+
+
+@pytest.fixture(scope="module")
+def server():
+    if not is_installed():
+        reason = f"no SGLang venv at {venv_dir()}: run `python -m tests.sglang_cpu.server install`"
+        if os.environ.get("TURNSTILE_REQUIRE_SGLANG") == "1":
+            pytest.fail(reason)
+        pytest.skip(reason)
+    try:
+        with SGLangServer(model_dir("tiny-qwen2.5-vl")) as running:
+            yield running
+    except SGLangUnavailable as error:
+        pytest.fail(str(error))
+
+
+class VisionDataSource:
+    """slime's data source for a VLM dataset: prompts as messages with an image placeholder, the
+    image itself in `multimodal_inputs["images"]`, `n_samples` copies per prompt. Prompts allow 2, 3
+    or 4 attempts in turn (the random model never answers right), so trajectories differ in length
+    and a step ends with some of them mid-way."""
+
+    def __init__(self, n_samples: int):
+        self.n_samples, self.next = n_samples, 0
+        self.handed_out: list[int] = []
+
+    def get_samples(self, num: int) -> list[list[Sample]]:
+        groups = []
+        for _ in range(num):
+            row = make_prompts(1, seed=self.next, vision=True)[0]
+            image_part, text_part = row["prompt"][0]["content"]
+            prompt = [{"role": "user", "content": [{"type": "image"}, text_part]}]
+            groups.append(
+                [
+                    Sample(
+                        group_index=self.next, index=self.next * self.n_samples + i, prompt=prompt,
+                        label=row["label"], multimodal_inputs={"images": [image_part["image"]]},
+                        metadata={**row["metadata"], "max_attempts": 2 + self.next % 3},
+                    )  # fmt: skip
+                    for i in range(self.n_samples)
+                ]
+            )
+            self.handed_out.append(self.next)
+            self.next += 1
+        return groups
+
+
+def slime_args(server: SGLangServer, **extra) -> SimpleNamespace:
+    host, port = server.url.removeprefix("http://").split(":")
+    return SimpleNamespace(
+        n_samples_per_prompt=N_SAMPLES, rollout_batch_size=TARGET, over_sampling_batch_size=2 * TARGET,
+        partial_rollout=True, max_turns=4, rollout_interaction_env_path="tests.envs.flaky_vision",
+        hf_checkpoint=str(server.model_path), sglang_router_ip=host, sglang_router_port=int(port),
+        rollout_max_response_len=256, turnstile={"max_new_tokens": 24, "max_staleness": 1},
+        **extra,
+    )  # fmt: skip
+
+
+def check_sample(sample: Sample, processor) -> None:
+    """slime's conversion rules for one multi-turn VLM sample."""
+    tokenizer = processor.tokenizer
+    n = sample.response_length
+    assert len(sample.loss_mask) == n == len(sample.rollout_log_probs)
+    assert len(sample.tokens) > n
+    response = sample.tokens[len(sample.tokens) - n :]
+    pad, start = processor.image_token_id, tokenizer.convert_tokens_to_ids("<|vision_start|>")
+    for token, mask, logprob in zip(response, sample.loss_mask, sample.rollout_log_probs, strict=True):
+        if mask == 0:
+            assert logprob == 0.0  # environment tokens: written directly, log-prob 0
+        else:
+            assert token not in (pad, start)  # an image token is never the model's
+            assert logprob < 0.0  # the server's log-prob of a sampled token
+    if sample.status.value == "failed":
+        assert sample.remove_sample
+        return
+    assert sum(sample.loss_mask) > 0
+    # images: one in the prompt and one per observation, each expanded to what the merged inputs hold
+    train = sample.multimodal_train_inputs
+    grid = train["image_grid_thw"]
+    merge = processor.image_processor.merge_size
+    assert grid.shape[0] == sample.tokens.count(start) == 1 + response.count(start)
+    assert train["pixel_values"].shape[0] == int(grid.prod(-1).sum())
+    assert sample.tokens.count(pad) == int(grid.prod(-1).sum()) // merge**2
+    # the env kept its state: its attempts count up from 1 across every turn, pauses included
+    attempts = [int(a) for a in ATTEMPT.findall(tokenizer.decode(response))]
+    assert attempts == list(range(1, len(attempts) + 1)), attempts
+
+
+@pytest.mark.slow
+def test_generate_rollout_against_a_real_sglang_server(server):
+    from engine.models import load_processor
+
+    processor = load_processor(str(server.model_path))
+    args, source = slime_args(server), VisionDataSource(N_SAMPLES)
+    returned: list[Sample] = []
+    try:
+        for step in range(STEPS):
+            out = generate_rollout(args, step, source)
+            assert len(out.samples) == TARGET and all(len(g) == N_SAMPLES for g in out.samples)
+            for group in out.samples:
+                for sample in group:
+                    check_sample(sample, processor)
+                    sample.metadata["returned_at"] = step
+            returned += [s for g in out.samples for s in g]
+            assert out.metrics["multi_turn/turns/mean"] > 1
+            # the trainer's weight update, as slime does it: straight to the server, not through the rollout
+            reply = httpx.post(
+                f"{server.url}/update_weights_from_disk",
+                json={"model_path": str(server.model_path), "weight_version": f"v{step + 1}"},
+                timeout=120,
+            )
+            assert reply.json()["success"], reply.text
+        service = getattr(args, SERVICE_ATTRIBUTE)
+        held = service.num_held()
+    finally:
+        getattr(args, SERVICE_ATTRIBUTE).shutdown()
+
+    # every prompt taken comes back once in a group, or is still held
+    groups = [s.group_index for s in returned if s.index % N_SAMPLES == 0]
+    assert len(groups) == len(set(groups)) == STEPS * TARGET
+    assert len(source.handed_out) == len(groups) + held
+
+    # partial rollout: some trajectories were paused in one step and returned in a later one, their
+    # env's attempt count running on (checked above), and generated across a weight update
+    resumed = [s for s in returned if s.metadata["start_rollout_id"] < s.metadata["returned_at"]]
+    assert resumed, "no trajectory was carried over a step"
+    assert any(len(set(s.weight_versions)) > 1 for s in resumed)
+    versions = {v for s in returned for v in s.weight_versions}
+    assert {"v1", "v2"} <= versions
+
+    # the env's failures: a failure retried once and recovered, an env that always fails ends FAILED
+    failing = [s for s in returned if s.index % 13 == 7]
+    flaky = [s for s in returned if s.index % 5 == 1 and s.index % 13 != 7]
+    assert all(s.status.value == "failed" and s.remove_sample for s in failing)
+    assert all(s.status.value != "failed" for s in flaky)
+    assert all(s.metadata["turns"][0]["retries"] == 1 for s in flaky)
+    assert all("scripted env failure" in s.metadata["failure"] for s in failing)
+    assert failing and flaky, "the run returned no sample of the failing kinds"
+
+
+@pytest.mark.slow
+def test_custom_generate_function_against_a_real_sglang_server(server):
+    from engine.models import load_processor
+
+    processor = load_processor(str(server.model_path))
+    args = slime_args(server)
+    (sample,) = VisionDataSource(1).get_samples(1)[0]
+    try:
+        out = anyio.run(generate, args, sample, {"temperature": 1.0, "max_new_tokens": 256})
+    finally:
+        getattr(args, SERVICE_ATTRIBUTE).shutdown()
+    assert out is sample and out.status.value in {"completed", "truncated"}
+    check_sample(out, processor)
+    assert len(out.metadata["turns"]) >= 2
