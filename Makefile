@@ -28,4 +28,5 @@ bench: $(INSTALLED)
 	$(VENV)/bin/python -m benchmarks.local_concurrency --out reports/local_concurrency.json
 	$(VENV)/bin/python -m benchmarks.mm_merge --out reports/mm_merge.json
 	$(VENV)/bin/python -m benchmarks.overhead --out reports/overhead
+	$(VENV)/bin/python -m benchmarks.bridge_overhead --out reports/bridge_overhead.json
 	$(VENV)/bin/python -m benchmarks.longtail --size large --out reports/longtail
