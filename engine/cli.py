@@ -63,7 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     for flag, kind in numbers.items():
         run.add_argument(f"--{flag}", type=kind)
     serve = commands.add_parser("serve", help="start the rollout service as a named Ray actor")
-    serve.add_argument("--name", default="turnstile-rollout", help="the actor's name (namespace `turnstile`)")
+    serve.add_argument(
+        "--name", help="the actor's name, namespace `turnstile` (default: the YAML's ray_actor, else turnstile-rollout)"
+    )
     serve.add_argument("--config", help="a YAML as slime's --custom-config-path takes (its `turnstile:` section)")
     serve.add_argument("--detach", action="store_true", help="leave the actor running and return")
     args = parser.parse_args(argv)
@@ -87,13 +89,22 @@ def _serve(args: argparse.Namespace) -> int:
 
     import yaml
 
-    from bridge.ray_actor import attach_or_create
+    from bridge.ray_actor import NAMESPACE, attach_or_create
     from bridge.settings import settings_from_args
+
+    import ray
 
     values = yaml.safe_load(Path(args.config).read_text()) if args.config else {}
     settings = settings_from_args(SimpleNamespace(**(values or {})))
-    service = attach_or_create(args.name, settings, SimpleNamespace(**(values or {})))
-    print(f"turnstile: service {args.name!r} is up: {json.dumps(service.status())}", file=sys.stderr)
+    name = args.name or settings.turnstile.ray_actor or "turnstile-rollout"
+    if args.detach and not ray.is_initialized():
+        try:  # a detached actor outlives this process only on a cluster that does too
+            ray.init(address="auto", namespace=NAMESPACE)
+        except ConnectionError:
+            print("turnstile: serve --detach needs a running Ray cluster; start one with `ray start --head`", file=sys.stderr)
+            return 2
+    service = attach_or_create(name, settings, SimpleNamespace(**(values or {})))
+    print(f"turnstile: service {name!r} is up: {json.dumps(service.status())}", file=sys.stderr)
     if args.detach:
         return 0
     stop = threading.Event()

@@ -65,3 +65,15 @@ def test_turnstile_serve_starts_a_detached_actor_from_a_slime_config(local_ray, 
         assert all(t["num_generated"] <= 8 for g in out.samples for s in g for t in s.metadata["turns"])
     finally:
         service.shutdown()
+
+
+def test_turnstile_serve_detach_without_a_cluster_says_so(monkeypatch, capsys):
+    from engine.cli import main
+
+    def no_cluster(*args, **kwargs):
+        raise ConnectionError("Could not find any running Ray instance.")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", no_cluster)
+    assert main(["serve", "--detach"]) == 2
+    assert "needs a running Ray cluster" in capsys.readouterr().err
