@@ -40,7 +40,7 @@ class RayService:
     """RolloutService's blocking methods, each one a call on the actor (`agenerate` gives an ObjectRef,
     awaitable in the caller's asyncio loop)."""
 
-    BLOCKING = frozenset({"num_held", "wanted", "rollout", "evaluate", "pause", "resume", "status"})
+    BLOCKING = frozenset({"num_held", "held_prompts", "wanted", "rollout", "evaluate", "pause", "resume", "status"})
 
     def __init__(self, actor: Any, settings: BridgeSettings):
         self._actor, self.settings = actor, settings

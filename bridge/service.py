@@ -103,6 +103,16 @@ class RolloutService:
     async def _num_held(self) -> int:
         return len(self.engine.held_groups) + len(self._source)
 
+    def held_prompts(self) -> list[int | None]:
+        """slime's `group_index` of every group held (admitted or queued, not yet returned): which
+        prompts the next steps will return."""
+        return self._portal.call(self._held_prompts)
+
+    async def _held_prompts(self) -> list[int | None]:
+        rows = [group.row for group in self.engine.held_groups] + self._source.pending()
+        indices = [row["samples"][0].group_index for row in rows if row.get("samples")]
+        return sorted(indices, key=lambda i: (i is None, i))
+
     def wanted(self, target: int) -> int:
         """How many new groups a step of `target` should be given: enough to keep
         `target * over_sampling` in flight with partial rollout, `target` otherwise."""

@@ -12,6 +12,7 @@ turnstile run --backend sglang --url http://127.0.0.1:30000 --tokenizer PATH --p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -87,12 +88,11 @@ def _serve(args: argparse.Namespace) -> int:
     import signal
     import threading
 
+    import ray
     import yaml
 
     from bridge.ray_actor import NAMESPACE, attach_or_create
     from bridge.settings import settings_from_args
-
-    import ray
 
     values = yaml.safe_load(Path(args.config).read_text()) if args.config else {}
     settings = settings_from_args(SimpleNamespace(**(values or {})))
@@ -101,7 +101,8 @@ def _serve(args: argparse.Namespace) -> int:
         try:  # a detached actor outlives this process only on a cluster that does too
             ray.init(address="auto", namespace=NAMESPACE)
         except ConnectionError:
-            print("turnstile: serve --detach needs a running Ray cluster; start one with `ray start --head`", file=sys.stderr)
+            message = "serve --detach needs a running Ray cluster; start one with `ray start --head`"
+            print(f"turnstile: {message}", file=sys.stderr)
             return 2
     service = attach_or_create(name, settings, SimpleNamespace(**(values or {})))
     print(f"turnstile: service {name!r} is up: {json.dumps(service.status())}", file=sys.stderr)
@@ -109,10 +110,8 @@ def _serve(args: argparse.Namespace) -> int:
         return 0
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         stop.wait()
-    except KeyboardInterrupt:
-        pass
     service.shutdown()
     return 0
 

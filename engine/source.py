@@ -48,6 +48,10 @@ class QueueSource:
     def __len__(self) -> int:
         return len(self._rows)
 
+    def pending(self) -> list[dict[str, Any]]:
+        """The rows not taken yet, in order."""
+        return list(self._rows)
+
 
 def jsonl_rows(path: str | Path) -> Iterator[dict[str, Any]]:
     """The rows of a JSONL file, checked as they are read; a bad line raises ValueError naming file:line."""

@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from bridge.settings import settings_from_args
-from engine.errors import ErrorClass
 from engine.envs.loader import load_env_module
+from engine.errors import ErrorClass
 
 EXAMPLE = Path(__file__).parents[1] / "examples" / "geo3k_vlm_multi_turn"
 

@@ -162,7 +162,8 @@ class SGLangServer:
         with httpx.Client(timeout=5.0) as client:
             while time.monotonic() < deadline:
                 if self.process.poll() is not None:
-                    raise SGLangUnavailable(f"SGLang exited with {self.process.returncode} at startup:\n{self.log_tail()}")
+                    code = self.process.returncode
+                    raise SGLangUnavailable(f"SGLang exited with {code} at startup:\n{self.log_tail()}")
                 try:
                     if client.get(f"{self.url}/health").status_code == 200:
                         return
