@@ -95,7 +95,8 @@ def _serve(args: argparse.Namespace) -> int:
     from bridge.settings import settings_from_args
 
     values = yaml.safe_load(Path(args.config).read_text()) if args.config else {}
-    settings = settings_from_args(SimpleNamespace(**(values or {})))
+    slime_args = SimpleNamespace(**(values or {}))
+    settings = settings_from_args(slime_args)
     name = args.name or settings.turnstile.ray_actor or "turnstile-rollout"
     if args.detach and not ray.is_initialized():
         try:  # a detached actor outlives this process only on a cluster that does too
@@ -104,7 +105,7 @@ def _serve(args: argparse.Namespace) -> int:
             message = "serve --detach needs a running Ray cluster; start one with `ray start --head`"
             print(f"turnstile: {message}", file=sys.stderr)
             return 2
-    service = attach_or_create(name, settings, SimpleNamespace(**(values or {})))
+    service = attach_or_create(name, settings, slime_args)
     print(f"turnstile: service {name!r} is up: {json.dumps(service.status())}", file=sys.stderr)
     if args.detach:
         return 0
@@ -144,7 +145,7 @@ async def _run(config: RunConfig, rows: list[dict[str, Any]], make_env: EnvFacto
     finished: list[Trajectory] = []
     started = time.monotonic()
     async with AsyncExitStack() as stack:
-        backend = await stack.enter_async_context(_backend(config, tokenizer, processor))
+        backend = await stack.enter_async_context(_backend(config, encoder))
         if not await backend.health():
             print(
                 f"turnstile: the {config.backend.kind} backend at {config.backend.url} is not healthy", file=sys.stderr
@@ -174,20 +175,22 @@ async def _run(config: RunConfig, rows: list[dict[str, Any]], make_env: EnvFacto
     return 1 if finished and all(t.stop_reason in FAILED_REASONS for t in finished) else 0
 
 
-def _backend(config: RunConfig, tokenizer: Any, processor: Any) -> Backend:
+def _backend(config: RunConfig, encoder: ChatEncoder) -> Backend:
     if config.backend.kind == "sglang":
         from engine.backends.pool import BackendPool
         from engine.backends.sglang import SGLangBackend
 
         urls = [url.strip() for url in config.backend.url.split(",") if url.strip()]
-        image_token_id = getattr(processor, "image_token_id", None)
+        image_token_id = encoder.image_token_id
         servers = [SGLangBackend(url, timeout=config.backend.timeout, image_token_id=image_token_id) for url in urls]
         return servers[0] if len(servers) == 1 else BackendPool(servers)
     from engine.backends.local import LocalBackend
     from engine.models import load_model
 
     model = load_model(config.backend.model, seed=config.seed)
-    return LocalBackend(model, tokenizer, processor=processor, max_batch_size=config.backend.max_batch_size)
+    return LocalBackend(
+        model, encoder.tokenizer, processor=encoder.processor, max_batch_size=config.backend.max_batch_size
+    )
 
 
 def _open_out(out: str):

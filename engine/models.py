@@ -102,7 +102,7 @@ def load_model(name_or_path: str = "tiny-qwen2", *, seed: int = 0):
     if name_or_path in TINY_MODELS:
         path = cache_dir() / "models" / f"{name_or_path}-seed{seed}"
         if not (path / "config.json").exists():
-            _save_atomically(_build_tiny_model(name_or_path, seed), path)
+            save_atomically(path, _build_tiny_model(name_or_path, seed))
     else:
         path = Path(name_or_path)
     loader = AutoModelForImageTextToText if is_vision_model(name_or_path) else AutoModelForCausalLM
@@ -147,7 +147,7 @@ def _build_tiny_model(name: str, seed: int):
 def _qwen_tokenizer_dir() -> Path:
     path = cache_dir() / "tokenizers" / "qwen2.5"
     if not (path / "tokenizer.json").exists():
-        _save_atomically(_convert_qwen_tokenizer(), path)
+        save_atomically(path, _convert_qwen_tokenizer())
     return path
 
 
@@ -168,11 +168,13 @@ def _convert_qwen_tokenizer():
     return tokenizer
 
 
-def _save_atomically(obj: Any, path: Path) -> None:
-    """save_pretrained into a temporary sibling, then rename: concurrent first uses never see half a cache."""
+def save_atomically(path: Path, *objs: Any) -> None:
+    """save_pretrained each of `objs` into a temporary sibling, then rename: concurrent first uses never
+    see half a cache."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    obj.save_pretrained(tmp)
+    for obj in objs:
+        obj.save_pretrained(tmp)
     try:
         tmp.rename(path)
     except OSError:  # another process got there first

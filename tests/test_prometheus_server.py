@@ -7,7 +7,6 @@ Needs the `prometheus` binary (Debian's `prometheus` package; CI's .ci/run insta
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import threading
 from collections.abc import Iterator
@@ -24,6 +23,7 @@ from engine.encoding import ChatEncoder
 from engine.engine import RolloutEngine
 from tests.conftest import REPO
 from tests.fakes import DeterministicBackend
+from tests.net import free_port
 from tests.test_deploy import dashboard_panels, load_dashboard
 from tests.test_engine import config, env_factory, rows
 
@@ -58,12 +58,6 @@ class ScrapeCounter:
         with self._changed:
             self._is_interrupted = True
             self._changed.notify_all()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def prometheus_config(exporter_port: int, path: Path) -> Path:

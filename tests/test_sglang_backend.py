@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import socket
-
 import anyio
 import pytest
 
 from engine.backends.base import Backend, SamplingParams
 from engine.backends.sglang import SGLangBackend
 from engine.errors import BackendError, ErrorClass
+from tests.net import free_port
 from tests.sglang_double import Disconnect, Generate, Raw, SGLangDouble, error_body
 
 PARAMS = SamplingParams(max_new_tokens=8)
@@ -29,10 +28,7 @@ async def backend(server):
 
 def closed_port_url() -> str:
     """The URL of a port nothing listens on."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    return f"http://127.0.0.1:{port}"
+    return f"http://127.0.0.1:{free_port()}"
 
 
 async def wait_held(server: SGLangDouble, count: int) -> None:

@@ -19,7 +19,6 @@ import argparse
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,7 +26,8 @@ from pathlib import Path
 
 import httpx
 
-from engine.models import cache_dir, load_model, load_processor
+from engine.models import cache_dir, load_model, load_processor, load_tokenizer, save_atomically
+from tests.net import free_port
 
 SGLANG_VERSION = "0.5.23"
 STANDIN = Path(__file__).parent / "standin"
@@ -96,25 +96,8 @@ def model_dir(name: str = "tiny-qwen2.5-vl") -> Path:
     path = cache_dir() / "sglang-models" / name
     if (path / "config.json").exists():  # written by one rename, so never half there
         return path
-    tmp = path.with_name(f"{name}.tmp-{os.getpid()}")
-    load_model(name).save_pretrained(tmp)
-    if name == "tiny-qwen2.5-vl":
-        load_processor().save_pretrained(tmp)
-    else:
-        from engine.models import load_tokenizer
-
-        load_tokenizer().save_pretrained(tmp)
-    try:
-        tmp.rename(path)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
+    save_atomically(path, load_model(name), load_processor() if name == "tiny-qwen2.5-vl" else load_tokenizer())
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _server_env() -> dict[str, str]:
