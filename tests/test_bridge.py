@@ -18,6 +18,7 @@ from bridge.slime import SERVICE_ATTRIBUTE, RolloutFnEvalOutput, RolloutFnTrainO
 from engine.backends.base import SamplingParams
 from engine.errors import BackendError, ErrorClass
 from engine.trajectory import Status, StopReason, Trajectory, Turn
+from tests.envs import gated
 from tests.fakes import DeterministicBackend
 
 # slime's Sample fields on the rollout path and their types (SLIME_CONTRACT.md, slime/utils/types.py)
@@ -211,22 +212,35 @@ def test_nothing_is_lost_across_ten_partial_rollout_steps():
 
 
 def test_paused_trajectories_resume_with_their_env_and_carry_both_weight_versions():
+    """Group 0 is mid-episode (its env blocked in its first step) when step 0 ends; the weights change
+    while it is held; it finishes at a later step with its own env and tokens of both versions."""
+    gated.GATE.hold(0)
     backend = DeterministicBackend(stop_every=40)
-    service = RolloutService(partial_settings(max_turns=6), backend=backend)
+    service = RolloutService(partial_settings(env_path="tests.envs.gated"), backend=backend)
     source = DataSource(n_samples=2)
+    later: list[list[Sample]] = []
     try:
         first = service.rollout(0, 3, source.get_samples(service.wanted(3)))
-        assert len(first.samples) == 3 and first.num_held > 0
-        assert service.status()["groups_open"] > 0
+        assert 0 not in [g[0].group_index for g in first.samples]
+        assert 0 in service.held_prompts() and service.status()["groups_open"] > 0
         service.pause()
         backend.version = "v1"
         service.resume("v1")
-        second = service.rollout(1, 3, source.get_samples(service.wanted(3)))
+        gated.GATE.release()
+        for step in range(1, 6):  # held groups that finished at step 0 may come back first
+            out = service.rollout(step, 3, source.get_samples(service.wanted(3)))
+            later += [g for g in out.samples if g[0].group_index == 0]
+            if later:
+                break
     finally:
+        gated.GATE.release()
         service.shutdown()
-    carried = [s for g in second.samples for s in g if {"v0", "v1"} <= set(s.weight_versions)]
-    assert carried, "some trajectory paused at step 0 finished at step 1 with tokens of both versions"
-    for sample in carried:
+    assert later, "the held group came back within five steps"
+    for sample in later[0]:
+        assert sample.weight_versions == ["v0", "v1"]  # one turn before the update, one after
         assert sample.metadata["start_rollout_id"] == 0
         turns = sample.metadata["turns"]
-        assert [t["index"] for t in turns] == list(range(len(turns)))  # its turn state went on
+        assert [t["index"] for t in turns] == [0, 1]  # its turn state went on
+        # its env went on too: only its second step ends with a reward; a fresh env would have asked
+        # "[step 1] one more" again
+        assert sample.reward == 1.0 and sample.response.count("[step 1] one more") == 1

@@ -20,11 +20,13 @@ import pytest
 from bridge.convert import Sample
 from bridge.slime import SERVICE_ATTRIBUTE, generate, generate_rollout
 from engine.envs.arith import make_prompts
+from tests.envs.gated import GATE
 from tests.sglang_cpu.server import SGLangServer, SGLangUnavailable, is_installed, model_dir, venv_dir
 
 pytestmark = pytest.mark.sglang
 
 N_SAMPLES, TARGET, STEPS = 2, 4, 4
+HELD = 6  # a group with no scripted failure and two attempts, held in its env's first step until step 1
 ATTEMPT = re.compile(r"\[attempt (\d+)\]")
 
 
@@ -82,7 +84,8 @@ def slime_args(server: SGLangServer, **extra) -> SimpleNamespace:
         n_samples_per_prompt=N_SAMPLES, rollout_batch_size=TARGET, over_sampling_batch_size=2 * TARGET,
         partial_rollout=True, max_turns=4, rollout_interaction_env_path="tests.envs.flaky_vision",
         hf_checkpoint=str(server.model_path), sglang_router_ip=host, sglang_router_port=int(port),
-        rollout_max_response_len=256, turnstile={"max_new_tokens": 24, "max_staleness": 1},
+        rollout_max_response_len=256,
+        turnstile={"max_new_tokens": 24, "max_staleness": STEPS},  # a held group resumes at any later step
         **extra,
     )  # fmt: skip
 
@@ -124,6 +127,7 @@ def test_generate_rollout_against_a_real_sglang_server(server):
     processor = load_processor(str(server.model_path))
     args, source = slime_args(server), VisionDataSource(N_SAMPLES)
     returned: list[Sample] = []
+    GATE.hold(HELD)
     try:
         for step in range(STEPS):
             out = generate_rollout(args, step, source)
@@ -141,9 +145,13 @@ def test_generate_rollout_against_a_real_sglang_server(server):
                 timeout=120,
             )
             assert reply.json()["success"], reply.text
+            if step == 0:  # group HELD is mid-episode, its env live, one turn generated before the update
+                assert HELD in source.handed_out and HELD not in [g[0].group_index for g in out.samples]
+                GATE.release()
         service = getattr(args, SERVICE_ATTRIBUTE)
         held = service.held_prompts()
     finally:
+        GATE.release()
         getattr(args, SERVICE_ATTRIBUTE).shutdown()
 
     # every prompt taken comes back once in a group, or is still held
@@ -151,11 +159,14 @@ def test_generate_rollout_against_a_real_sglang_server(server):
     assert len(groups) == len(set(groups)) == STEPS * TARGET
     assert held == sorted(set(source.handed_out) - set(groups))
 
-    # partial rollout: some trajectories were paused in one step and returned in a later one, their
-    # env's attempt count running on (checked above), and generated across a weight update
-    resumed = [s for s in returned if s.metadata["start_rollout_id"] < s.metadata["returned_at"]]
-    assert resumed, "no trajectory was carried over a step"
-    assert any(len(set(s.weight_versions)) > 1 for s in resumed)
+    # partial rollout: group HELD was paused at step 0 and returned at a later step, generated across
+    # a weight update, with its own env: two turns, the second its last attempt; a fresh env would
+    # have counted attempt 1 again and asked for a third (and check_sample would have seen [1, 1])
+    held_back = [s for s in returned if s.group_index == HELD]
+    assert held_back, f"group {HELD}, held at step 0, not returned in {STEPS} steps (held at the end: {held})"
+    for sample in held_back:
+        assert sample.metadata["start_rollout_id"] == 0 < sample.metadata["returned_at"]
+        assert len(sample.metadata["turns"]) == 2 and len(set(sample.weight_versions)) == 2
     versions = {v for s in returned for v in s.weight_versions}
     assert {"v1", "v2"} <= versions
 
