@@ -166,7 +166,8 @@ def test_generate_rollout_against_a_real_sglang_server(server):
     assert held_back, f"group {HELD}, held at step 0, not returned in {STEPS} steps (held at the end: {held})"
     for sample in held_back:
         assert sample.metadata["start_rollout_id"] == 0 < sample.metadata["returned_at"]
-        assert len(sample.metadata["turns"]) == 2 and len(set(sample.weight_versions)) == 2
+        # the weights it started with, and those of every step it generated in after the release
+        assert len(sample.metadata["turns"]) == 2 and len(set(sample.weight_versions)) >= 2
     versions = {v for s in returned for v in s.weight_versions}
     assert {"v1", "v2"} <= versions
 
