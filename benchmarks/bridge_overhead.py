@@ -11,23 +11,41 @@ batching of all 256 requests, a decode step costing 3 ms + 0.04 ms per running r
 1,000 generated tokens with an env that answers at once with a short observation: about 8.2k
 response tokens per sample, 256 samples.
 
+Rewards come the way they do in most slime runs: the env reports none, and slime's reward path
+scores each sample as its trajectory ends (`bridge.rewards.SlimeScoring`, while the others generate).
+The reward function is given as slime gives one, by path: `custom_rm_path` on the args namespace the
+service gets as `env_args` (here `benchmarks.bridge_overhead.boxed_answer_rm`, an async
+`(args, sample) -> float` doing a math rule's work: the last \\boxed{...} of the response against
+the label, both normalized). The simulated model's text holds no boxed answer, so every reward is 0.0
+and the rule's work is the scan of each response, about what it is when the answer is near the end.
+
 Measured inside that step:
-- conversion: every `to_sample` call (Trajectory -> Sample: token, mask and log-prob lists, metadata);
+- conversion: every Trajectory -> Sample conversion, each counted once: `bridge.rewards.to_sample`
+  (token, mask and log-prob lists, the response decoded, metadata; once per trajectory, on its
+  reward call), and each `bridge.rewards.settle` after it (the outcome and metadata brought up to
+  date, on the reward call and again when the step hands the Sample over);
+- reward: every call of the reward function (`reward_calls`, `reward_seconds`), conversion excluded;
 - transfer: the step's samples through pickle protocol 5 and back (what Ray does to Python objects
   between the rollout service's actor and slime's rollout manager), and with Ray installed, a real
   actor -> driver `ray.get` of them.
-Target: conversion + transfer under 5% of the step's wall time.
+Target: conversion + transfer under 5% of the step's wall time (`overhead_ratio`);
+`overhead_ratio_with_rewards` adds the reward seconds (which overlap with generation, but run on the
+rollout's event loop).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib
 import pickle
 import statistics
 import time
+from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any
 
+import bridge.rewards
 import bridge.service
 from benchmarks import emit
 from benchmarks.longtail import sim_server
@@ -40,6 +58,8 @@ from engine.backends.sglang import SGLangBackend
 from engine.envs.base import BaseInteractionEnv
 
 TARGET_RATIO = 0.05
+RM_PATH = "benchmarks.bridge_overhead.boxed_answer_rm"  # as slime's --custom-rm-path names it
+REWRITES = (("\\left", ""), ("\\right", ""), ("\\!", ""), ("$", ""), ("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"))
 
 
 class FixedTurnsEnv(BaseInteractionEnv):
@@ -55,18 +75,58 @@ class FixedTurnsEnv(BaseInteractionEnv):
     def step(self, response_text: str):
         self.turn += 1
         observation = {"obs_str": f"Tool output for call {self.turn}: 3 tests passed, 1 failed in test_parse."}
-        return observation, self.turn >= self.max_turns, {"reward": 0.0}
+        return observation, self.turn >= self.max_turns, {}  # no reward: slime's reward path gives it
 
 
 def build_env(sample: Any = None, args: Any = None, **_: Any) -> FixedTurnsEnv:
     return FixedTurnsEnv(args.max_turns)
 
 
+def last_boxed(text: str) -> str | None:
+    """The content of the last \\boxed{...} in `text` (braces balanced), or None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, begin = 0, start + len("\\boxed{")
+    for i in range(begin, len(text)):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            if depth == 0:
+                return text[begin:i]
+            depth -= 1
+    return None
+
+
+def normalize_answer(answer: str) -> str:
+    """The answer as a math rule compares it: no spaces, `$`, `\\left`/`\\right`, `\\!`, trailing `.`;
+    `\\dfrac` and `\\tfrac` as `\\frac`; lower case; `0.50` as `0.5`."""
+    text = answer.strip()
+    for old, new in REWRITES:
+        text = text.replace(old, new)
+    text = "".join(text.split()).rstrip(".").lower()
+    try:
+        number = float(text.replace(",", ""))
+    except ValueError:
+        return text
+    return f"{number:g}"
+
+
+async def boxed_answer_rm(args: Any, sample: Any) -> float:
+    """slime's custom reward function signature: 1.0 when the response's last boxed answer equals the
+    label (both normalized), else 0.0."""
+    answer = last_boxed(sample.response or "")
+    if answer is None or sample.label is None:
+        return 0.0
+    return float(normalize_answer(answer) == normalize_answer(str(sample.label)))
+
+
 class Timed:
-    """Wraps a function and adds up the seconds spent in it."""
+    """Wraps a function and adds up the seconds spent in it (awaiting it, for an async one)."""
 
     def __init__(self, fn):
         self.fn, self.seconds, self.calls = fn, 0.0, 0
+        functools.update_wrapper(self, fn)
 
     def __call__(self, *args, **kwargs):
         started = time.perf_counter()
@@ -77,10 +137,36 @@ class Timed:
             self.calls += 1
 
 
+class TimedAsync(Timed):
+    async def __call__(self, *args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return await self.fn(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - started
+            self.calls += 1
+
+
+@contextmanager
+def patched(module: Any, name: str, wrapper: Timed):
+    """`module.name` replaced by `wrapper` for the block: what the code that runs looks up at call time."""
+    original = getattr(module, name)
+    setattr(module, name, wrapper)
+    try:
+        yield wrapper
+    finally:
+        setattr(module, name, original)
+
+
 def data_source(groups: int, n: int) -> list[list[Sample]]:
     return [
         [
-            Sample(group_index=g, index=g * n + i, prompt=f"Task {g}: fix the failing test in module m{g}.py.")
+            Sample(
+                group_index=g,
+                index=g * n + i,
+                prompt=f"Task {g}: fix the failing test in module m{g}.py.",
+                label=f"\\frac{{{g + 1}}}{{7}}",
+            )
             for i in range(n)
         ]
         for g in range(groups)
@@ -132,11 +218,21 @@ def run(groups: int, n: int, turns: int, tokens_per_turn: int) -> dict[str, Any]
         max_tokens=turns * (tokens_per_turn + 200), sampling=SamplingParams(max_new_tokens=tokens_per_turn),
         turnstile=TurnstileSection(max_generating=concurrent, max_env_steps=concurrent),
     )  # fmt: skip
-    timed = Timed(bridge.service.to_sample)
-    bridge.service.to_sample = timed
-    with sim_server(server) as url:
+    # slime's args, as the service gets them: envs read max_turns, SlimeScoring loads custom_rm_path
+    env_args = SimpleNamespace(max_turns=turns, custom_rm_path=RM_PATH)
+    rm_module, _, rm_name = RM_PATH.rpartition(".")
+    conversion = Timed(bridge.rewards.to_sample)  # the one conversion of each trajectory (and service's, if used)
+    settle = Timed(bridge.rewards.settle)  # its outcome settled on each later look (to_sample settles its own)
+    reward = TimedAsync(getattr(importlib.import_module(rm_module), rm_name))
+    with (
+        patched(bridge.rewards, "to_sample", conversion),
+        patched(bridge.service, "to_sample", conversion),
+        patched(bridge.rewards, "settle", settle),
+        patched(importlib.import_module(rm_module), rm_name, reward),  # what load_function(RM_PATH) finds
+        sim_server(server) as url,
+    ):
         backend = SGLangBackend(url, timeout=3600)
-        service = RolloutService(settings, SimpleNamespace(max_turns=turns), backend=backend)
+        service = RolloutService(settings, env_args, backend=backend)
         try:
             started = time.perf_counter()
             out = service.rollout(0, groups, data_source(groups, n))
@@ -148,22 +244,35 @@ def run(groups: int, n: int, turns: int, tokens_per_turn: int) -> dict[str, Any]
     pickle_s, pickle_bytes = pickle_round_trip(out.samples)
     ray_s = ray_transfer(out.samples)
     transfer_s = max(pickle_s, ray_s or 0.0)
-    overhead_s = timed.seconds + transfer_s
+    conversion_s = conversion.seconds + settle.seconds
+    overhead_s = conversion_s + transfer_s
     return {
         "samples": len(samples),
         "response_tokens_mean": statistics.fmean(lengths),
         "response_tokens_min": min(lengths),
         "total_tokens": sum(len(s.tokens) for s in samples),
         "step_seconds": step_s,
-        "conversion_seconds": timed.seconds,
-        "conversion_calls": timed.calls,
+        "conversion_seconds": conversion_s,
+        "conversion_calls": conversion.calls,
+        "conversion_to_sample_seconds": conversion.seconds,
+        "conversion_settle_seconds": settle.seconds,
+        "conversion_settle_calls": settle.calls,
+        "conversion_counted_once": conversion.calls == len(samples),
+        "reward_path": RM_PATH,
+        "reward_calls": reward.calls,
+        "reward_seconds": reward.seconds,
+        "rewards_nonzero": sum(bool(s.reward) for s in samples),
+        "rewards_missing": sum(s.reward is None for s in samples),
         "transfer_pickle_seconds": pickle_s,
         "transfer_pickle_bytes": pickle_bytes,
         "transfer_ray_seconds": ray_s,
         "overhead_seconds": overhead_s,
         "overhead_ratio": overhead_s / step_s,
+        "overhead_seconds_with_rewards": overhead_s + reward.seconds,
+        "overhead_ratio_with_rewards": (overhead_s + reward.seconds) / step_s,
         "target_ratio": TARGET_RATIO,
         "met": overhead_s / step_s < TARGET_RATIO,
+        "met_with_rewards": (overhead_s + reward.seconds) / step_s < TARGET_RATIO,
         "server": {"max_running": server.max_running, "decode_a": server.decode_a, "decode_b": server.decode_b},
     }
 

@@ -1,11 +1,23 @@
 """Long-tail benchmark: slime-style rollout versus Turnstile's turn-level scheduler, side by side.
 
-    python -m benchmarks.longtail --size small|large --out DIR
+    python -m benchmarks.longtail --size small|large --out DIR [--reward-source rm|env] [--reward-ms 20]
 
 One process run starts a simulated SGLang server (benchmarks/simserver.py, its own process: SGLang's
 HTTP API, continuous-batching timing, heavy-tailed response lengths) and runs the same seeded
 workload (benchmarks/workload.py: a blocking env with heavy-tailed latency and failures) under each
 policy, for two envs: ~1 ms and ~30 ms per step.
+
+Rewards (`--reward-source`): by default ("rm") they come from a reward function, as in slime runs
+with `--rm-type` or a remote reward model: the env reports none, and each ended trajectory is scored
+by an async call that answers after `--reward-ms` (0: a synchronous rule-based reward) with the value
+the env would have given, so the figures stay comparable with "env" (the env's info["reward"], as
+before). The default, 20 ms, is an HTTP round trip to a reward service with a short forward pass:
+below the env's median step, and at most one call on a step's critical path, so with the large
+size's steps of seconds the throughput figures stay comparable with those measured before; an LLM
+judge takes seconds (pass its latency to see what that costs).
+Turnstile passes it as `RolloutEngine(reward_fn=...)` (each trajectory scored as it ends, while the
+others generate); slime_style awaits it as slime's `generate_and_rm` does: after generation, outside
+the concurrency semaphore, per sample, before its group counts as done.
 
   slime_style   one coroutine per trajectory holding a concurrency slot throughout, env steps
                 blocking the event loop, a barrier per step, no partial rollout (longtail_slime.py)
@@ -22,6 +34,15 @@ Every policy does the same weight update between steps. Per policy (report.json,
   discarded_token_fraction  (generated - trained - unfinished) / generated, generated counted by the server
   unfinished_token_fraction model tokens still held at the end (paused, or done and not yet returned)
   stale_le1_fraction        share of trained tokens at most one weight version behind the trainer
+  reward_calls, reward_seconds   calls of the reward function and the seconds from each call to its
+                            answer, a late wake-up of the event loop included (slime_style's blocking env
+                            steps delay it); every call of the policy's run, held and rerun trajectories
+                            included; also _per_call and _per_step
+  reward_group_wait_seconds_mean / p99   per returned group: from its last member's end (generation
+                            and env done) to its last member scored, when the group is ready
+  reward_tail_seconds       per step, from the last end among the step's returned trajectories to
+                            the last of them scored: the reward's share of the step's critical path
+                            (summed; _per_step its mean; reward_tail_fraction: over the step seconds)
 DIR also gets timeline.png (a sample of trajectories of one step per policy) and throughput.png.
 """
 
@@ -68,6 +89,10 @@ NOTES = [
     "the update) minus the version that generated it, from Trajectory.spans.",
     "Unfinished tokens (held by Turnstile at the end: paused, or in groups done and not yet returned) "
     "are neither trained nor discarded; over a longer run they are trained in the next step.",
+    "With reward_source rm the env reports no reward and every policy scores with the same reward function "
+    "(a fixed latency, then the value the env would have given; 0.0 for a trajectory a budget cut short). "
+    "Turnstile scores COMPLETED and TRUNCATED trajectories, as its engine does; slime_style scores every "
+    "sample that is not ABORTED, as slime's generate_and_rm does.",
 ]
 
 
@@ -89,6 +114,8 @@ class Size:
     max_new_tokens: int = 1024  # per turn
     max_tokens: int = 8192  # per trajectory, generated + observation tokens
     env_medians: dict[str, float] = field(default_factory=lambda: {"env_1ms": 0.001, HEADLINE: 0.03})
+    reward_source: str = "rm"  # "rm": a reward function scores each ended trajectory; "env": the env's info
+    reward_latency_s: float = 0.02  # one reward call with "rm" (0: a synchronous rule)
     server: SimConfig = SimConfig()
 
 
@@ -150,10 +177,13 @@ async def run_policy(name: str, setup: Setup) -> PolicyRun:
     if name == "slime_style":
         from benchmarks.longtail_slime import run_slime_style
 
-        return await run_slime_style(setup)
-    from benchmarks.longtail_turnstile import run_turnstile
+        run = await run_slime_style(setup)
+    else:
+        from benchmarks.longtail_turnstile import run_turnstile
 
-    return await run_turnstile(setup, partial=name == "turn_partial")
+        run = await run_turnstile(setup, partial=name == "turn_partial")
+    run.rewards = setup.rewards
+    return run
 
 
 async def run_benchmark(
@@ -169,7 +199,10 @@ async def run_benchmark(
         async with SGLangBackend(url, timeout=600.0) as backend:
             await backend.wait_until_healthy(30.0, poll_interval=0.1)
             for workload_name, median in size.env_medians.items():
-                workload = Workload(workload_name, env_median_s=median, seed=seed)
+                workload = Workload(
+                    workload_name, env_median_s=median, seed=seed, reward_source=size.reward_source,
+                    reward_latency_s=size.reward_latency_s,
+                )  # fmt: skip
                 setup = Setup(
                     backend=TimedBackend(backend), encoder=encoder, workload=workload, sampling=sampling,
                     limits=TurnLimits(max_turns=workload.max_turns, max_tokens=size.max_tokens),
@@ -183,12 +216,16 @@ async def run_benchmark(
                     results[policy] = summarize(run)
                     timelines[policy] = build_timeline(run, setup, step=min(1, len(run.returned) - 1))
                     log(f"{workload_name:9} {policy:13} {_line(results[policy])}")
-                report["workloads"][workload_name] = {"env_median_s": median, "policies": results}
+                report["workloads"][workload_name] = {
+                    "env_median_s": median, "reward_source": workload.reward_source,
+                    "reward_latency_s": workload.reward_latency_s, "policies": results,
+                }  # fmt: skip
                 report["timelines"][workload_name] = timelines
     headline = HEADLINE if HEADLINE in report["workloads"] else next(iter(report["workloads"]))
     report["policies"] = report["workloads"][headline]["policies"]
     report["headline_workload"] = headline
-    workload = {k: v for k, v in asdict(Workload("", 0.0, seed=seed)).items() if k not in ("name", "env_median_s")}
+    per_size = ("name", "env_median_s", "reward_source", "reward_latency_s")  # in the size's config
+    workload = {k: v for k, v in asdict(Workload("", 0.0, seed=seed)).items() if k not in per_size}
     report["config"] = {"seed": seed, **asdict(size), "workload": workload}
     report["notes"] = NOTES
     return report
@@ -199,7 +236,8 @@ def _line(m: dict[str, Any]) -> str:
         f"{m['trained_tokens_per_s']:8.0f} tok/s  "
         f"step p50 {m['step_seconds_p50']:6.2f}s p99 {m['step_seconds_p99']:6.2f}s  "
         f"util {m['backend_utilization']:.2f} busy {m['backend_busy_fraction']:.2f}  "
-        f"discarded {m['discarded_token_fraction']:.3f}  stale<=1 {m['stale_le1_fraction']:.3f}"
+        f"discarded {m['discarded_token_fraction']:.3f}  stale<=1 {m['stale_le1_fraction']:.3f}  "
+        f"reward {m['reward_calls']} calls {m['reward_seconds']:.2f}s tail {m['reward_tail_fraction']:.3f}"
     )
 
 
@@ -227,13 +265,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--over-sampling", type=float, help="Turnstile's over-sampling with partial rollout")
     parser.add_argument("--steps", type=int, help="rollout steps per policy")
     parser.add_argument("--env", choices=["env_1ms", HEADLINE], help="run one workload only")
+    parser.add_argument(
+        "--reward-source", choices=["rm", "env"], default="rm",
+        help="rm: a reward function scores each ended trajectory (default); env: the env's info['reward']",
+    )  # fmt: skip
+    parser.add_argument(
+        "--reward-ms", type=float, default=20.0,
+        help="latency of one reward call with --reward-source rm (default 20; 0: a synchronous rule)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.reward_ms < 0:
+        parser.error("--reward-ms must be >= 0")
     overrides: dict[str, Any] = {
         key: value
         for key, value in (
             ("scheduling", args.scheduling),
             ("over_sampling", args.over_sampling),
             ("num_steps", args.steps),
+            ("reward_source", args.reward_source),
+            ("reward_latency_s", args.reward_ms / 1000),
         )
         if value is not None
     }

@@ -2,9 +2,12 @@
 
 Every policy talks to the simulated server through the same `SGLangBackend`, wrapped in a
 `TimedBackend` that notes when each generate call started and ended, and steps the same env, wrapped
-in a `TimedEnv` that notes its resets and steps. The timeline plot is rebuilt from those notes after
-the run: a call is matched to its trajectory by the input length and last tokens it was sent (one
-call per `Trajectory.spans` entry), an env by the model's first response it answered.
+in a `TimedEnv` that notes its resets and steps. With the reward from a reward function (the
+workload's `reward_source="rm"`), every policy scores with the same `RewardModel`, which notes each
+call, and each policy notes when every trajectory ended and when it was settled (scored, or ended
+unscored) in a `RewardLog`. The timeline plot is rebuilt from those notes after the run: a call is
+matched to its trajectory by the input length and last tokens it was sent (one call per
+`Trajectory.spans` entry), an env by the model's first response it answered.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
 import httpx
 import numpy as np
 
@@ -25,7 +29,8 @@ from engine.backends.base import GenerateResult, SamplingParams
 from engine.backends.sglang import SGLangBackend
 from engine.encoding import ChatEncoder
 from engine.envs.base import BaseInteractionEnv
-from engine.trajectory import Status, Trajectory
+from engine.metrics.events import Observer
+from engine.trajectory import Status, StopReason, Trajectory
 from engine.turn import TurnLimits
 
 TAIL = 24  # tokens of an input that name a generate call, with its length
@@ -54,9 +59,13 @@ class TimedBackend:
         self.inner = backend
         self.calls: dict[tuple[int, int], list[CallRecord]] = defaultdict(list)
 
-    async def generate(self, input_ids: Sequence[int], sampling_params: SamplingParams, image_data=None, *, rid=None):
+    async def generate(
+        self, input_ids: Sequence[int], sampling_params: SamplingParams, image_data=None, *, rid=None, session_id=None
+    ):
         started = time.monotonic()
-        result: GenerateResult = await self.inner.generate(input_ids, sampling_params, image_data, rid=rid)
+        result: GenerateResult = await self.inner.generate(
+            input_ids, sampling_params, image_data, rid=rid, session_id=session_id
+        )
         ended = time.monotonic()
         first = result.token_ids[0] if result.token_ids else None
         server_seconds = min(float(result.meta.get("e2e_latency") or ended - started), ended - started)
@@ -107,6 +116,70 @@ class TimedEnv(BaseInteractionEnv):
 
 
 @dataclass
+class RewardLog:
+    """Per trajectory id: when its rollout ended (its first reward call began, if it had one), when it
+    was settled (scored, or ended unscored: from then on its group can be returned), and its reward
+    calls (start, end)."""
+
+    ended: dict[int, float] = field(default_factory=dict)
+    settled: dict[int, float] = field(default_factory=dict)
+    calls: dict[int, list[tuple[float, float]]] = field(default_factory=lambda: defaultdict(list))
+
+    def note_settled(self, trajectory: Trajectory) -> None:
+        now = time.monotonic()
+        self.ended.setdefault(trajectory.id, now)
+        self.settled[trajectory.id] = now
+
+
+class SettledObserver(Observer):
+    """Notes when the engine is done with each trajectory (`trajectory_ended` follows its scoring)."""
+
+    def __init__(self, log: RewardLog):
+        self.log = log
+
+    def trajectory_ended(self, trajectory: Trajectory) -> None:
+        self.log.note_settled(trajectory)
+
+
+class RewardModel:
+    """The workload's reward function, called with an ended trajectory, as slime's reward path scores a
+    sample: with `reward_latency_s` > 0 a remote reward model (an async call that answers after that
+    long), with 0 a rule-based one (a plain call). Its value is what the env would have reported
+    (`Workload.reward` on the model's first response) for a trajectory the env ended, and 0.0 for one a
+    budget cut short (not solved). Every call is noted in `log`."""
+
+    def __init__(self, workload: Workload, encoder: ChatEncoder, log: RewardLog):
+        self.workload, self.encoder, self.log = workload, encoder, log
+
+    def __call__(self, trajectory: Trajectory) -> Any:
+        if self.workload.reward_latency_s > 0:
+            return self._remote(trajectory)
+        started = time.monotonic()
+        try:
+            return self._value(trajectory)
+        finally:
+            self._note(trajectory, started)
+
+    async def _remote(self, trajectory: Trajectory) -> float:
+        started = time.monotonic()
+        try:
+            await anyio.sleep(self.workload.reward_latency_s)
+            return self._value(trajectory)
+        finally:
+            self._note(trajectory, started)
+
+    def _value(self, trajectory: Trajectory) -> float:
+        if trajectory.stop_reason is not StopReason.ENV_DONE or not trajectory.turns:
+            return 0.0
+        first = self.encoder.response_text(trajectory.generated_ids(trajectory.turns[0]).tolist())
+        return self.workload.reward(trajectory.metadata, first)
+
+    def _note(self, trajectory: Trajectory, started: float) -> None:
+        self.log.ended.setdefault(trajectory.id, started)
+        self.log.calls[trajectory.id].append((started, time.monotonic()))
+
+
+@dataclass
 class Setup:
     """One workload on one server, as every policy of a run sees it."""
 
@@ -125,6 +198,7 @@ class Setup:
     server_url: str = ""
     env_log: dict[int, EnvRecord] = field(default_factory=dict)
     env_lock: threading.Lock = field(default_factory=threading.Lock)
+    rewards: RewardLog = field(default_factory=RewardLog)
 
     async def server_stats(self) -> dict[str, Any]:
         """The simulated server's measurements since its last /stats/reset."""
@@ -138,9 +212,16 @@ class Setup:
     def make_env(self, row_or_sample: Any) -> TimedEnv:
         return TimedEnv(self.workload.build_env(row_or_sample), self.env_log, self.env_lock)
 
+    def reward_model(self) -> RewardModel | None:
+        """The reward function every policy scores with; None when the env reports the reward."""
+        if self.workload.reward_source == "env":
+            return None
+        return RewardModel(self.workload, self.encoder, self.rewards)
+
     def reset_records(self) -> None:
         self.backend.calls.clear()
         self.env_log.clear()
+        self.rewards = RewardLog()
 
 
 @dataclass
@@ -158,6 +239,7 @@ class PolicyRun:
     server: dict[str, Any] = field(default_factory=dict)
     engine: dict[str, Any] = field(default_factory=dict)
     timeline: list[dict[str, Any]] = field(default_factory=list)
+    rewards: RewardLog = field(default_factory=RewardLog)
 
 
 def model_tokens(trajectory: Trajectory) -> int:
@@ -208,16 +290,49 @@ def summarize(run: PolicyRun) -> dict[str, Any]:
         "num_trajectories": num_trajectories,
         "statuses": dict(statuses),
         "mean_turns": num_turns / num_trajectories if num_trajectories else 0.0,
+        **reward_figures(run, steps),
         "server": run.server,
         "engine": run.engine,
+    }
+
+
+def reward_figures(run: PolicyRun, steps: list[float]) -> dict[str, Any]:
+    """What the reward path cost (see benchmarks/longtail.py): its calls, the seconds in them, and the
+    wait it put on each returned group and on each step's end."""
+    log = run.rewards
+    durations = [end - start for calls in log.calls.values() for start, end in calls]
+    waits, tails = [], []
+    for trajectories in run.returned:
+        groups: dict[int, list[Trajectory]] = defaultdict(list)
+        for t in trajectories:
+            groups[t.group_id].append(t)
+        step: list[tuple[float, float]] = []
+        for members in groups.values():
+            times = [(log.ended[t.id], log.settled[t.id]) for t in members if t.id in log.settled]
+            if times:  # the group was ready once its last member settled; its last member ended before
+                waits.append(max(s for _, s in times) - max(e for e, _ in times))
+                step += times
+        if step:
+            tails.append(max(s for _, s in step) - max(e for e, _ in step))
+    num_steps = max(len(steps), 1)
+    return {
+        "reward_calls": len(durations),
+        "reward_seconds": float(sum(durations)),
+        "reward_seconds_per_call": float(np.mean(durations)) if durations else 0.0,
+        "reward_seconds_per_step": float(sum(durations)) / num_steps,
+        "reward_group_wait_seconds_mean": float(np.mean(waits)) if waits else 0.0,
+        "reward_group_wait_seconds_p99": float(np.percentile(waits, 99)) if waits else 0.0,
+        "reward_tail_seconds": float(sum(tails)),
+        "reward_tail_seconds_per_step": float(sum(tails)) / num_steps,
+        "reward_tail_fraction": float(sum(tails)) / sum(steps) if sum(steps) else 0.0,
     }
 
 
 def build_timeline(run: PolicyRun, setup: Setup, *, step: int, max_lanes: int = 24) -> list[dict[str, Any]]:
     """Lanes for a sample of the trajectories returned at `step`: their generate calls and env steps,
     in seconds from the policy's start. A lane runs from when the trajectory was handed out (else its env
-    reset, else its first call) to its last event; a generate call counts from its sending until the
-    server answered."""
+    reset, else its first call) to its last event (its reward call included); a generate call counts
+    from its sending until the server answered."""
     chosen = sorted(run.returned[step], key=_last_event_key(setup))
     if len(chosen) > max_lanes:  # evenly through the finishing order, the slowest included
         chosen = [chosen[round(i * (len(chosen) - 1) / (max_lanes - 1))] for i in range(max_lanes)]
@@ -225,7 +340,8 @@ def build_timeline(run: PolicyRun, setup: Setup, *, step: int, max_lanes: int = 
     lanes = []
     for t in chosen:
         generate, env, reset = _events(t, setup)
-        times = [s for s, _ in generate + env] + [e for _, e in generate + env]
+        reward = run.rewards.calls.get(t.id, [])
+        times = [s for s, _ in generate + env + reward] + [e for _, e in generate + env + reward]
         if not times:
             continue
         start = run.submitted.get(t.id) or min(times + ([reset] if reset is not None else []))
@@ -238,6 +354,7 @@ def build_timeline(run: PolicyRun, setup: Setup, *, step: int, max_lanes: int = 
                 "end": max(times) - run.started,
                 "generate": [(s - run.started, e - run.started) for s, e in generate],
                 "env": [(s - run.started, e - run.started) for s, e in env],
+                "reward": [(s - run.started, e - run.started) for s, e in reward],
                 "step": (step_start, step_end),
             }
         )

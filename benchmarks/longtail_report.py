@@ -11,7 +11,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-COLORS = {"generate": "#3b7dd8", "env": "#f28e2b", "wait": "#c8c8c8", "done, step not over": "#eeeeee"}
+COLORS = {
+    "generate": "#3b7dd8", "env": "#f28e2b", "reward": "#59a14f", "wait": "#c8c8c8", "done, step not over": "#eeeeee",
+}  # fmt: skip
 POLICY_COLORS = {"slime_style": "#9e9e9e", "turn": "#7fb3e6", "turn_partial": "#1f5fbf"}
 COLUMNS = (
     ("trained tok/s", "trained_tokens_per_s", "{:.0f}"),
@@ -23,6 +25,9 @@ COLUMNS = (
     ("discarded", "discarded_token_fraction", "{:.3f}"),
     ("unfinished", "unfinished_token_fraction", "{:.3f}"),
     ("stale <= 1", "stale_le1_fraction", "{:.3f}"),
+    ("reward calls", "reward_calls", "{:d}"),
+    ("reward s / step", "reward_seconds_per_step", "{:.2f}"),
+    ("reward tail", "reward_tail_fraction", "{:.3f}"),
 )
 
 
@@ -47,7 +52,9 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
     lines = [f"# Long-tail benchmark ({report.get('size', 'custom')})", ""]
     for name, workload in report["workloads"].items():
         policies = workload["policies"]
-        lines += [f"## {name} (env step median {workload['env_median_s'] * 1000:g} ms)", ""]
+        latency_ms = workload.get("reward_latency_s", 0.0) * 1000
+        reward = f"reward function, {latency_ms:g} ms" if workload.get("reward_source") == "rm" else "env reward"
+        lines += [f"## {name} (env step median {workload['env_median_s'] * 1000:g} ms, {reward})", ""]
         header = ["policy", *(title for title, _, _ in COLUMNS), "x slime", "failed / samples", "staleness (tokens)"]
         lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         for policy, m in policies.items():
@@ -89,16 +96,17 @@ def plot_throughput(report: dict[str, Any], path: Path) -> None:
 
 
 def plot_timeline(timelines: dict[str, list[dict[str, Any]]], path: Path, *, title: str = "") -> None:
-    """One panel per policy: a lane per trajectory, blue generating, orange in the env, grey waiting (for a
-    slot, for the event loop, for a retry, while paused), light grey done and waiting for the step's end."""
+    """One panel per policy: a lane per trajectory, blue generating, orange in the env, green in the reward
+    function, grey waiting (for a slot, for the event loop, for a retry, while paused), light grey done and
+    waiting for the step's end."""
     fig, axes = plt.subplots(len(timelines), 1, figsize=(12, 3.2 * len(timelines)), squeeze=False)
     for ax, (policy, lanes) in zip(axes[:, 0], timelines.items(), strict=True):
         for y, lane in enumerate(lanes):
             step_end = lane["step"][1]
             ax.barh(y, lane["end"] - lane["start"], left=lane["start"], height=0.8, color=COLORS["wait"])
             ax.barh(y, step_end - lane["end"], left=lane["end"], height=0.8, color=COLORS["done, step not over"])
-            for kind in ("generate", "env"):
-                spans = [(s, max(e - s, 1e-4)) for s, e in lane[kind]]
+            for kind in ("generate", "env", "reward"):
+                spans = [(s, max(e - s, 1e-4)) for s, e in lane.get(kind, ())]
                 ax.broken_barh(spans, (y - 0.4, 0.8), color=COLORS[kind])
         if lanes:
             for x in lanes[0]["step"]:

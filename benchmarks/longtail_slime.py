@@ -7,6 +7,12 @@ env's synchronous `step` inside the event loop, blocking it as slime's example d
 env step runs no other trajectory moves. A barrier (gather) ends each step; there is no partial
 rollout (the multi-turn example asserts it off).
 
+Rewards as slime's `generate_and_rm` computes them: once a trajectory's generation is over and its
+semaphore slot released, the sample is scored (when it has no reward yet and is not ABORTED) by
+awaiting the reward function, and its group (`generate_and_rm_group`'s gather) is done only once
+every member has been scored. With `reward_latency_s` 0 the rule runs at once, as slime's rule-based
+`async_rm` does without yielding.
+
 Two things are more generous than slime at HEAD: an env exception fails only its trajectory (slime
 would lose the whole step), and the response text is decoded on the client as Turnstile does.
 Tokens, turns and metrics go through the same `Trajectory`, `ChatEncoder` and `generate_turn`.
@@ -18,8 +24,9 @@ import asyncio
 import time
 from typing import Any
 
-from benchmarks.longtail_common import PolicyRun, Setup, TimedEnv
+from benchmarks.longtail_common import PolicyRun, RewardModel, Setup, TimedEnv
 from engine.errors import EnvError, ErrorClass, TurnError
+from engine.scheduler.scheduler import maybe_await
 from engine.trajectory import Status, StopReason, Trajectory
 from engine.turn import encode_prompt, generate_turn, out_of_room, record_failure, stop_after_generation
 
@@ -27,11 +34,12 @@ from engine.turn import encode_prompt, generate_turn, out_of_room, record_failur
 async def run_slime_style(setup: Setup) -> PolicyRun:
     run = PolicyRun("slime_style", started=time.monotonic())
     semaphore = asyncio.Semaphore(setup.concurrency)
+    reward = setup.reward_model()
     rows = setup.rows()
     for step in range(setup.num_steps):
         started = time.monotonic()
         batch = [(step * setup.target_groups + g, next(rows)) for g in range(setup.target_groups)]
-        groups = await asyncio.gather(*(_group(setup, semaphore, g, row, run) for g, row in batch))  # the barrier
+        groups = await asyncio.gather(*(_group(setup, semaphore, reward, g, row, run) for g, row in batch))  # barrier
         run.step_times.append((started, time.monotonic()))
         run.returned.append([t for group in groups for t in group])
         run.trainer_versions.append(await setup.backend.weight_version())
@@ -42,15 +50,28 @@ async def run_slime_style(setup: Setup) -> PolicyRun:
 
 
 async def _group(
-    setup: Setup, semaphore: asyncio.Semaphore, group_id: int, row: dict[str, Any], run: PolicyRun
+    setup: Setup,
+    semaphore: asyncio.Semaphore,
+    reward: RewardModel | None,
+    group_id: int,
+    row: dict[str, Any],
+    run: PolicyRun,
 ) -> list[Trajectory]:
-    members = (_trajectory(setup, semaphore, group_id, i, row, run) for i in range(setup.n_samples))
+    """slime's generate_and_rm_group: every member generated and scored, then the group is done."""
+    members = (_trajectory(setup, semaphore, reward, group_id, i, row, run) for i in range(setup.n_samples))
     return list(await asyncio.gather(*members))
 
 
 async def _trajectory(
-    setup: Setup, semaphore: asyncio.Semaphore, group_id: int, index: int, row: dict[str, Any], run: PolicyRun
+    setup: Setup,
+    semaphore: asyncio.Semaphore,
+    reward: RewardModel | None,
+    group_id: int,
+    index: int,
+    row: dict[str, Any],
+    run: PolicyRun,
 ) -> Trajectory:
+    """slime's generate_and_rm: generation under the semaphore, then the reward, outside it."""
     trajectory = Trajectory(prompt=row["prompt"], group_id=group_id, index=index, metadata=dict(row["metadata"]))
     run.submitted[trajectory.id] = time.monotonic()
     async with semaphore:  # held for the whole trajectory, env steps included
@@ -73,6 +94,10 @@ async def _trajectory(
         finally:
             env.close()
             trajectory.finish(stop or StopReason.ABORTED)
+    setup.rewards.ended[trajectory.id] = time.monotonic()
+    if reward is not None and trajectory.reward is None and trajectory.status is not Status.ABORTED:
+        trajectory.reward = await maybe_await(reward(trajectory))
+    setup.rewards.note_settled(trajectory)
     return trajectory
 
 

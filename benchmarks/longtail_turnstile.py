@@ -4,7 +4,9 @@ Both drive the same `RolloutEngine` (engine/engine.py) with generation slots equ
 concurrency, the size's priority policy and the env's blocking `step` in worker threads (the
 engine's EnvRunner). With partial rollout a step keeps `target * over_sampling` groups in flight,
 returns once `target` are done, and keeps the rest paused, envs and all, for the next step;
-trajectories more than one weight version stale when they resume start again.
+trajectories more than one weight version stale when they resume start again. With the reward from
+a reward function, it is the engine's `reward_fn`: each trajectory is scored as it ends, while the
+others generate, and its group is done once its last member is scored.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from benchmarks.longtail_common import PolicyRun, Setup
+from benchmarks.longtail_common import PolicyRun, SettledObserver, Setup
 from engine.engine import EngineConfig, RolloutEngine
 from engine.envs.base import EnvRunner
 from engine.envs.loader import EnvSample
@@ -52,6 +54,8 @@ async def run_turnstile(setup: Setup, *, partial: bool) -> PolicyRun:
         env_factory=env_factory,
         source=setup.rows(),
         config=engine_config(setup, partial=partial),
+        reward_fn=setup.reward_model(),  # None when the env reports the reward
+        observers=[SettledObserver(setup.rewards)],
     )
     async with engine:
         for step in range(setup.num_steps):

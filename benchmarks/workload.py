@@ -10,9 +10,16 @@ under every policy, whichever sample slot runs it.
 sandbox call). With probability `failure_rate` an attempt raises: `EnvRetryableError` for a
 `retryable_share` of them (a retry of the same step may succeed), RuntimeError for the rest.
 
+Where the reward comes from (`reward_source`): "rm" (the default), as in most slime runs, where slime's
+reward path scores each finished sample (`--rm-type`, a remote reward model behind `--rm-url`): the
+env's last step reports no reward, and `Workload.reward` gives the value the env would have given,
+to a reward function that waits `reward_latency_s` first (0: a synchronous rule); "env": the env's
+last step reports it in `info["reward"]`, as slime's multi-turn examples do.
+
     workload = Workload("env_30ms", env_median_s=0.03)
     rows = workload.rows(64)                                 # {"prompt": [...], "label": None, "metadata": {...}}
     env = workload.build_env(rows[0])                        # a LongTailEnv
+    workload.reward(rows[0]["metadata"], first_response)     # 0.0 or 1.0, what the env would have said
 """
 
 from __future__ import annotations
@@ -62,6 +69,12 @@ class Workload:
     retryable_share: float = 0.75
     turn_weights: tuple[float, ...] = (0.25, 0.2, 0.15, 0.12, 0.1, 0.08, 0.06, 0.04)  # P(1 turn), P(2 turns), ...
     observation_words: tuple[int, int] = (15, 60)  # about 20-80 tokens
+    reward_source: str = "rm"  # "rm": a reward function scores each ended trajectory; "env": info["reward"]
+    reward_latency_s: float = 0.02  # of one reward call with "rm" (a remote reward model); 0: a sync rule
+
+    def __post_init__(self) -> None:
+        if self.reward_source not in ("rm", "env"):
+            raise ValueError(f"reward_source is 'rm' or 'env', not {self.reward_source!r}")
 
     @property
     def max_turns(self) -> int:
@@ -87,6 +100,13 @@ class Workload:
                 }
             )
         return rows
+
+    def reward(self, metadata: dict[str, Any], first_response: str) -> float:
+        """The trajectory's reward, keyed like everything else on its prompt and the model's first
+        response: 1.0 with probability `solve_rate` (the env's value when it reports one)."""
+        prompt_id, solve_rate = int(metadata["prompt_id"]), float(metadata["solve_rate"])
+        key = uniform(self.seed, prompt_id, first_response)
+        return float(uniform(self.seed, prompt_id, key, "reward") < solve_rate)
 
     def build_env(self, row_or_sample: Any) -> LongTailEnv:
         metadata = row_or_sample.get("metadata") if isinstance(row_or_sample, dict) else row_or_sample.metadata
@@ -131,7 +151,8 @@ class LongTailEnv(BaseInteractionEnv):
             raise RuntimeError(f"sandbox crashed (prompt {self.prompt_id}, turn {self.turn})")
         self.turn, self.attempt = self.turn + 1, 0
         if self.turn >= self.num_turns:
-            return {}, True, {"reward": float(self._draw("reward") < self.solve_rate)}
+            reward = float(self._draw("reward") < self.solve_rate)  # = Workload.reward
+            return {}, True, {"reward": reward} if w.reward_source == "env" else {}
         rng = random.Random(self._draw("observation", self.turn))
         words = rng.randint(*w.observation_words)
         text = " ".join(rng.choice(WORDS) for _ in range(words))

@@ -16,7 +16,7 @@ from enum import Enum
 from typing import Any
 
 from engine.trajectory import Status as TrajectoryStatus
-from engine.trajectory import StopReason, Trajectory
+from engine.trajectory import Trajectory
 
 
 @dataclass
@@ -60,8 +60,12 @@ def sample_class() -> type:
     return SlimeSample
 
 
-def to_sample(trajectory: Trajectory, tokenizer: Any, *, into: Any = None, rollout_id: int | None = None) -> Any:
-    """Fill `into` (the data source's Sample for this trajectory, or a new one) from a finished trajectory."""
+def to_sample(trajectory: Trajectory, tokenizer: Any, *, into: Any = None) -> Any:
+    """Fill `into` (the data source's Sample for this trajectory, or a new one) from an ended trajectory.
+
+    `rollout_id` is left as the data source gave it (slime's data source: None, so slime's trainer
+    counts each sample as a rollout of its own); it names a trajectory in slime, never a step. The reward
+    is the env's (`info["reward"]`) or None, for slime's reward path to fill; `settle` writes the rest."""
     trajectory.check_invariant()
     cls = sample_class()
     sample = (
@@ -77,13 +81,36 @@ def to_sample(trajectory: Trajectory, tokenizer: Any, *, into: Any = None, rollo
     sample.rollout_log_probs = trajectory.logprobs.tolist()
     sample.weight_versions = trajectory.weight_versions
     sample.multimodal_train_inputs = trajectory.train_inputs.merge()
-    failed = trajectory.status is TrajectoryStatus.FAILED
-    sample.status = type(sample.status)(str(trajectory.status))  # the same lower-case values
-    sample.remove_sample = failed  # masked out in training; the group keeps its size
-    sample.reward = trajectory.reward if trajectory.reward is not None else 0.0  # slime needs one on every sample
+    sample.reward = trajectory.reward
     sample.non_generation_time = sum(t.env_seconds + t.queue_seconds + t.env_queue_seconds for t in trajectory.turns)
-    if rollout_id is not None and sample.rollout_id is None:
-        sample.rollout_id = rollout_id
+    if getattr(sample, "session_id", None) is None:
+        sample.session_id = trajectory.session_id
+    cache = getattr(sample, "prefix_cache_info", None)  # slime's own Sample: the prefix cache statistics it logs
+    if cache is not None:
+        cache.cached_tokens = sum(t.cached_tokens for t in trajectory.turns)
+        cache.total_prompt_tokens = sum(t.prompt_tokens for t in trajectory.turns)
+    spec, counts = getattr(sample, "spec_info", None), trajectory.metadata.get("spec_info")
+    if spec is not None and counts:  # speculative decoding's counts, for slime's spec_accept_* metrics
+        spec.spec_accept_token_num = counts["spec_accept_token_num"]
+        spec.spec_draft_token_num = counts["spec_draft_token_num"]
+        spec.spec_verify_ct = counts["spec_verify_ct"]
+        spec.completion_token_num = counts["completion_tokens"]
+    return settle(sample, trajectory, fill_reward=False)
+
+
+def settle(sample: Any, trajectory: Trajectory, *, fill_reward: bool = True) -> Any:
+    """The fields that may change after conversion (a group reward fails its members): status,
+    `remove_sample`, reward and the outcome in metadata.
+
+    Samples that must not train get `remove_sample=True`: FAILED ones, and ABORTED ones (finished for
+    staleness, or cut by shutdown). slime's trainer still needs a number in their reward: with
+    `fill_reward`, 0.0 where there is none."""
+    sample.status = type(sample.status)(str(trajectory.status))  # the same lower-case values
+    sample.remove_sample = trajectory.status in (TrajectoryStatus.FAILED, TrajectoryStatus.ABORTED)
+    if trajectory.reward is not None:
+        sample.reward = trajectory.reward
+    if fill_reward and sample.remove_sample and sample.reward is None:
+        sample.reward = 0.0
     sample.metadata = {**(sample.metadata or {}), **_metadata(trajectory)}
     return sample
 
@@ -92,13 +119,15 @@ def _metadata(trajectory: Trajectory) -> dict[str, Any]:
     meta = {
         "turns": [turn.to_record() for turn in trajectory.turns],
         "num_turns": len(trajectory.turns),
+        "round_number": len(trajectory.turns),  # what slime's --log-multi-turn reads
         "stop_reason": str(trajectory.stop_reason),
+        "turns_cut": sum(turn.cut_at_cap for turn in trajectory.turns),  # by turnstile.max_new_tokens
     }
     for key in ("start_rollout_id", "num_restarts", "retries"):
         if key in trajectory.metadata:
             meta[key] = trajectory.metadata[key]
     if trajectory.errors:
         meta["errors"] = [f"{e.stage}/{e.error_class}: {e.message}" for e in trajectory.errors]
-    if trajectory.stop_reason in (StopReason.ENV_ERROR, StopReason.BACKEND_ERROR):
+    if trajectory.status is TrajectoryStatus.FAILED:
         meta["failure"] = trajectory.errors[-1].message if trajectory.errors else str(trajectory.stop_reason)
     return meta

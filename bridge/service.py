@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from collections.abc import Awaitable
 from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -28,14 +29,17 @@ import anyio.abc
 from anyio.from_thread import start_blocking_portal
 
 from bridge.convert import to_sample
+from bridge.rewards import SlimeScoring, sample_of_row
 from bridge.settings import BridgeSettings
 from engine.backends.base import Backend, SamplingParams
+from engine.config import EngineConfig
 from engine.encoding import ChatEncoder
-from engine.engine import RolloutEngine
+from engine.engine import EngineStatistics, RolloutEngine
 from engine.envs.loader import EnvFactory, EnvLoadError
 from engine.metrics.recorder import MetricsRecorder
+from engine.metrics.summary import step_summary
 from engine.source import QueueSource
-from engine.trajectory import Trajectory
+from engine.trajectory import Group, Trajectory
 from engine.turn import record_failure
 
 
@@ -44,6 +48,30 @@ class StepOutput:
     samples: list[list[Any]]  # slime Samples, one list per group
     metrics: dict[str, Any]
     num_held: int  # groups admitted or queued and not yet returned
+    dropped: list[list[Any]] = field(default_factory=list)  # groups the dynamic filter dropped this call
+
+
+@dataclass
+class _Step:
+    """The rollout step being served: its groups so far, and the engine as it was when it began."""
+
+    rollout_id: int
+    started: float
+    before: EngineStatistics
+    groups: list[Group] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class EvalDataset:
+    """One eval dataset as the service runs it: prompt rows (one group of slime Samples each), and the
+    sampling and budget of its own (slime's per-dataset eval settings)."""
+
+    rows: list[dict[str, Any]]
+    n_samples: int
+    sampling: SamplingParams
+    max_tokens: int
+    reward_key: str | None = None
+    max_context_len: int | None = None  # slime's eval_max_context_len (default: the rollout's window)
 
 
 class RolloutService:
@@ -52,10 +80,12 @@ class RolloutService:
         `max_turns`). `backend` replaces the one the settings name (the caller keeps it open)."""
         self.settings = settings
         self._given_backend = backend
+        self._args = env_args  # slime's args: what its hooks and reward functions are called with
         self._env_args = env_args if env_args is not None else SimpleNamespace(max_turns=settings.max_turns)
         self._portal_cm = start_blocking_portal()
         self._portal = self._portal_cm.__enter__()
         self._source = QueueSource()
+        self._step: _Step | None = None
         self.recorder = MetricsRecorder()
         try:
             self._served, _ = self._portal.start_task(self._serve)
@@ -71,17 +101,32 @@ class RolloutService:
         self._stop = anyio.Event()
         self.processor = _processor(s.tokenizer, vision=t.vision)
         self.tokenizer = self.processor.tokenizer if self.processor is not None else load_tokenizer(s.tokenizer)
-        self.encoder = ChatEncoder(self.tokenizer, processor=self.processor)
+        self.encoder = ChatEncoder(
+            self.tokenizer, processor=self.processor, chat_template_kwargs=s.chat_template_kwargs
+        )
+        self.scoring = SlimeScoring(self._args, self.tokenizer)
         async with self._backend() if self._given_backend is None else nullcontext(self._given_backend) as backend:
             self.backend = backend
-            make_env = EnvFactory(s.env_path, args=self._env_args, step_timeout=t.env_step_timeout_s)
-            self.engine = RolloutEngine(
-                backend=backend, encoder=self.encoder, env_factory=make_env, source=self._source,
-                config=s.engine_config(self.encoder.stop_token_ids), observers=[self.recorder],
-            )  # fmt: skip
+            self.env_factory = EnvFactory(s.env_path, args=self._env_args, step_timeout=t.env_step_timeout_s)
+            self.engine = self._engine(s.engine_config(self.encoder.stop_token_ids), self.scoring, self._source)
             async with self.engine:
                 task_status.started()
                 await self._stop.wait()
+
+    def _engine(self, config: EngineConfig, scoring: SlimeScoring, source: Any) -> RolloutEngine:
+        """An engine on this service's backend and envs, scored and filtered by slime's rules."""
+        engine: RolloutEngine
+
+        def reward(trajectory: Trajectory) -> Any:
+            group = engine.group_of(trajectory)
+            return scoring.reward(trajectory, sample_of_row(group, trajectory) if group is not None else None)
+
+        engine = RolloutEngine(
+            backend=self.backend, encoder=self.encoder, env_factory=self.env_factory, source=source, config=config,
+            reward_fn=reward, group_reward_fn=scoring.group_reward if scoring.group else None,
+            group_filter=scoring.verdict if scoring.has_filter else None, observers=[self.recorder],
+        )  # fmt: skip
+        return engine
 
     def _backend(self):
         s = self.settings
@@ -91,6 +136,13 @@ class RolloutService:
             return SGLangBackend(s.url, image_token_id=self.encoder.image_token_id)
         from engine.backends.local import LocalBackend
         from engine.models import load_model
+
+        refused = replace(s.sampling, sampling_seed=s.sampling_seed_base).unsupported_locally()
+        if refused:
+            raise ValueError(
+                f"{', '.join(refused)} need SGLang servers (--sglang-router-ip/--sglang-router-port): "
+                "the embedded local model cannot honour them"
+            )
 
         model = s.turnstile.model if not s.turnstile.vision else "tiny-qwen2.5-vl"
         return LocalBackend(load_model(model), self.tokenizer, processor=self.processor)
@@ -125,13 +177,25 @@ class RolloutService:
         return self._portal.call(self._rollout, rollout_id, target, groups)
 
     async def _rollout(self, rollout_id: int, target: int, groups: list[list[Any]]) -> StepOutput:
-        self._source.put(row_from_group(group, rollout_id, self.settings) for group in groups)
+        """One call of a step; a step may take several (dropped groups are replaced by new prompts), and
+        its metrics cover every call of the same `rollout_id` so far."""
+        if self._step is None or self._step.rollout_id != rollout_id:
+            self._step = _Step(rollout_id, time.monotonic(), self.engine.statistics())
+        self._source.put(row_from_group(group, rollout_id) for group in groups)
+        self.scoring.rollout_id = rollout_id
         finished = await self.engine.rollout(target)
-        samples = [
-            [to_sample(t, self.tokenizer, into=_sample_of(g, t.index), rollout_id=rollout_id) for t in g.trajectories]
-            for g in finished
-        ]
-        return StepOutput(samples, dict(self.engine.last_step_summary), await self._num_held())
+        self._step.groups += finished
+        samples = [await self._samples(g, self.scoring) for g in finished]
+        dropped = [await self._samples(g, self.scoring) for g in self.engine.take_dropped()]
+        metrics = step_summary(
+            self._step.groups, rollout_time=time.monotonic() - self._step.started, clock=self.engine.scheduler.clock,
+            after=self.engine.statistics(), before=self._step.before, num_gpus=self.settings.num_gpus,
+        )  # fmt: skip
+        return StepOutput(samples, metrics, await self._num_held(), dropped)
+
+    async def _samples(self, group: Group, scoring: SlimeScoring) -> list[Any]:
+        """The group's slime Samples (the data source's own, filled), in member order."""
+        return [await scoring.sample_of(t, sample_of_row(group, t)) for t in group.trajectories]
 
     def agenerate(self, sample: Any, sampling_params: dict[str, Any]) -> Awaitable[Any]:
         """One trajectory for one slime Sample (slime's custom generate function), awaitable in the
@@ -143,7 +207,9 @@ class RolloutService:
         return self._portal.call(self._generate_one, sample, sampling_params)
 
     async def _generate_one(self, sample: Any, sampling_params: dict[str, Any]) -> Any:
-        row = row_from_group([sample], (sample.metadata or {}).get("start_rollout_id", -1), self.settings)
+        """slime's own loop applies its hooks and scores the Sample after this returns (reward None
+        unless the env gave one), so neither happens here."""
+        row = row_from_group([sample], (sample.metadata or {}).get("start_rollout_id", -1))
         trajectory = Trajectory(
             prompt=row["prompt"], prompt_images=row["images"], group_id=sample.group_index or 0,
             index=sample.index or 0, metadata=dict(row["metadata"]),
@@ -153,7 +219,7 @@ class RolloutService:
         except EnvLoadError as exc:
             trajectory.finish(record_failure(trajectory, exc))
         else:
-            await self.engine.scheduler.drive(trajectory, env, self._sampling(sampling_params))
+            await self.engine.scheduler.drive(trajectory, env, self._sampling(sampling_params), score=False)
         return to_sample(trajectory, self.tokenizer, into=sample)
 
     def _sampling(self, params: dict[str, Any]) -> SamplingParams:
@@ -170,31 +236,40 @@ class RolloutService:
             max_new_tokens=min(base.max_new_tokens, params.get("max_new_tokens") or base.max_new_tokens),
         )
 
-    def evaluate(self, datasets: dict[str, tuple[list[dict[str, Any]], int]]) -> dict[str, dict[str, list]]:
-        """Run each eval dataset (rows, samples per prompt) to the end on its own engine; slime's eval
-        structure: {name: {"rewards": [...], "truncated": [...], "samples": [...]}}."""
+    def evaluate(self, datasets: dict[str, EvalDataset]) -> dict[str, dict[str, list]]:
+        """Run each eval dataset to the end on an engine of its own (its sampling, budget and samples per
+        prompt), scored by slime's rules; slime's eval structure: {name: {"rewards", "truncated", "samples"}},
+        samples in slime's `index` order."""
         return self._portal.call(self._evaluate, datasets)
 
-    async def _evaluate(self, datasets: dict[str, tuple[list[dict[str, Any]], int]]) -> dict[str, dict[str, list]]:
+    async def _evaluate(self, datasets: dict[str, EvalDataset]) -> dict[str, dict[str, list]]:
         results = {}
-        for name, (rows, n) in datasets.items():
+        for name, dataset in datasets.items():
             config = self.engine.config.model_copy(
-                update={"n_samples_per_prompt": n, "partial_rollout": False, "metrics_port": None}
+                update={
+                    "n_samples_per_prompt": dataset.n_samples,
+                    "max_inflight": max(self.engine.config.max_inflight, dataset.n_samples),
+                    "partial_rollout": False,
+                    "metrics_port": None,
+                    "sampling": replace(
+                        dataset.sampling, stop_token_ids=dataset.sampling.stop_token_ids or self.encoder.stop_token_ids
+                    ),
+                    "limits": replace(
+                        self.engine.config.limits,
+                        max_tokens=dataset.max_tokens,
+                        max_context_len=dataset.max_context_len or self.engine.config.limits.max_context_len,
+                    ),
+                }
             )
-            engine = RolloutEngine(
-                backend=self.backend,
-                encoder=self.encoder,
-                env_factory=self.engine.env_factory,
-                source=rows,
-                config=config,
-            )
-            async with engine:
+            scoring = SlimeScoring(self._args, self.tokenizer, evaluation=True)
+            async with self._engine(config, scoring, dataset.rows) as engine:
                 groups = [group async for group in engine.stream()]
-            samples = [
-                to_sample(t, self.tokenizer) for g in sorted(groups, key=lambda g: g.group_id) for t in g.trajectories
-            ]
+            samples = sorted(
+                [s for g in groups for s in await self._samples(g, scoring)], key=lambda s: (s.index is None, s.index)
+            )
+            key = dataset.reward_key
             results[name] = {
-                "rewards": [s.reward for s in samples],
+                "rewards": [s.reward[key] if key and isinstance(s.reward, dict) else s.reward for s in samples],
                 "truncated": [str(s.status.value) == "truncated" for s in samples],
                 "samples": samples,
             }
@@ -237,14 +312,14 @@ async def _snapshot(engine: RolloutEngine):
     return engine.statistics()
 
 
-def row_from_group(group: list[Any], rollout_id: int, settings: BridgeSettings) -> dict[str, Any]:
-    """A prompt row for the engine from one group of slime Samples (copies of one prompt)."""
+def row_from_group(group: list[Any], rollout_id: int) -> dict[str, Any]:
+    """A prompt row for the engine from one group of slime Samples (copies of one prompt). A prompt given
+    as text (slime's `--apply-chat-template` renders it so) goes to the model as it is, its images beside
+    it; chat messages are rendered by the encoder, their image parts filled from the sample's images."""
     first = group[0]
     images = list((first.multimodal_inputs or {}).get("images") or [])
     prompt = first.prompt
-    if isinstance(prompt, str) and not settings.prompt_is_rendered:
-        prompt = [{"role": "user", "content": prompt}]
-    elif isinstance(prompt, list):
+    if isinstance(prompt, list):
         prompt, images = _fill_images(prompt, images), []
     metadata = {**(first.metadata or {}), "start_rollout_id": rollout_id}
     return {"prompt": prompt, "images": images, "label": first.label, "metadata": metadata, "samples": group}
@@ -267,11 +342,6 @@ def _fill_images(messages: list[dict[str, Any]], images: list[Any]) -> list[dict
             message = {**message, "content": content}
         out.append(message)
     return out
-
-
-def _sample_of(group, index: int) -> Any:
-    samples = group.row.get("samples")
-    return samples[index] if samples is not None and index < len(samples) else None
 
 
 def _processor(tokenizer: str, *, vision: bool):

@@ -3,8 +3,10 @@
 slime's own flags are read where they apply (`n_samples_per_prompt`, `rollout_batch_size`,
 `over_sampling_batch_size`, `partial_rollout`, `mask_offpolicy_in_partial_rollout`,
 `rollout_max_response_len`, `rollout_max_context_len`, `rollout_temperature` / `top_p` / `top_k`,
-`rollout_stop_token_ids`, `hf_checkpoint`, `apply_chat_template`, `sglang_router_ip` / `port`,
-`rollout_num_gpus`), as are the keys slime's multi-turn examples put in `--custom-config-path`
+`rollout_stop`, `rollout_stop_token_ids`, `rollout_skip_special_tokens`, `rollout_seed` with
+`sglang_enable_deterministic_inference`, `hf_checkpoint`, `apply_chat_template_kwargs`,
+`sglang_router_ip` / `port`, `sglang_server_concurrency`, `rollout_num_gpus`; bridge/flags.py lists
+every rollout flag and what becomes of it), as are the keys slime's multi-turn examples put in `--custom-config-path`
 (`max_turns`, `rollout_interaction_env_path`). Turnstile's own settings come from a `turnstile:`
 mapping in the same YAML (it lands on `args.turnstile`):
 
@@ -16,7 +18,7 @@ mapping in the same YAML (it lands on `args.turnstile`):
       policy: oldest             # fifo | group_completion | oldest
       over_sampling: 1.75        # with --partial-rollout (default: over_sampling_batch_size / rollout_batch_size)
       max_staleness: 1
-      max_new_tokens: 1024       # per turn (default: rollout_max_response_len)
+      max_new_tokens: 1024       # a per-turn cap (default: none; a turn may use what is left of the budget)
       retry: {per_trajectory: 8, env_step_timeout_s: 120}
       metrics_port: 9400         # Prometheus /metrics on metrics_host (default 127.0.0.1)
       ray_actor: turnstile-rollout   # host the engine in this named Ray actor (default: in the rollout process)
@@ -40,6 +42,7 @@ from engine.scheduler.retry import RetryPolicy
 from engine.turn import TurnLimits
 
 EMBEDDED_TARGET_GROUPS = 2  # groups per step when slime's args do not say
+DEFAULT_MAX_GENERATING = 256  # concurrent generate requests, when neither slime's args nor turnstile: say
 
 
 class TurnstileSection(BaseModel):
@@ -47,7 +50,7 @@ class TurnstileSection(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    max_generating: PositiveInt = 256
+    max_generating: PositiveInt | None = None  # default: slime's sglang_server_concurrency x engines
     max_env_steps: PositiveInt = 64
     max_inflight: PositiveInt | None = None
     policy: Policy = Policy.GROUP_COMPLETION
@@ -76,11 +79,13 @@ class BridgeSettings(BaseModel):
     max_turns: PositiveInt = 6
     env_path: str = "engine.envs.arith"
     tokenizer: str = "qwen2.5"  # a Hugging Face tokenizer directory, or the embedded "qwen2.5"
-    prompt_is_rendered: bool = False  # slime applied the chat template: prompts are text, not messages
-    url: str | None = None  # SGLang router; None: the embedded local backend
-    max_tokens: PositiveInt = 2048  # response budget of a trajectory
+    chat_template_kwargs: dict[str, Any] = {}  # slime's --apply-chat-template-kwargs, for every observation too
+    url: str | None = None  # SGLang router (or one server); None: the embedded local backend
+    max_tokens: PositiveInt = 2048  # response budget of a trajectory (slime's rollout_max_response_len)
     max_context_len: PositiveInt | None = None
-    sampling: SamplingParams = SamplingParams(max_new_tokens=256)
+    sampling: SamplingParams = SamplingParams(max_new_tokens=2048)  # max_new_tokens: the per-turn cap
+    sampling_seed_base: int | None = None  # slime's rollout_seed, with --sglang-enable-deterministic-inference
+    max_generating: PositiveInt | None = None  # slime's sglang_server_concurrency x engines, unless turnstile: says
     num_gpus: int | None = None
     turnstile: TurnstileSection = TurnstileSection()
 
@@ -101,7 +106,7 @@ class BridgeSettings(BaseModel):
         return EngineConfig(
             n_samples_per_prompt=per_group,
             max_inflight=t.max_inflight or max(groups_in_flight * per_group, per_group),
-            max_generating=t.max_generating,
+            max_generating=t.max_generating or self.max_generating or DEFAULT_MAX_GENERATING,
             max_env_steps=t.max_env_steps,
             policy=t.policy,
             partial_rollout=self.partial_rollout,
@@ -114,6 +119,7 @@ class BridgeSettings(BaseModel):
                 max_turns=self.max_turns, max_tokens=self.max_tokens, max_context_len=self.max_context_len
             ),
             sampling=replace(self.sampling, stop_token_ids=self.sampling.stop_token_ids or stop_token_ids),
+            sampling_seed_base=self.sampling_seed_base,
             retry=t.retry
             if t.env_step_timeout_s is None
             else t.retry.model_copy(update={"env_step_timeout_s": t.env_step_timeout_s}),
@@ -123,7 +129,8 @@ class BridgeSettings(BaseModel):
 
 
 def settings_from_args(args: Any) -> BridgeSettings:
-    """Read slime's `args` (any object with attributes, or None) once."""
+    """Read slime's `args` (any object with attributes, or None) once. Where an attribute is missing,
+    slime's own default applies (a slime run always has them all)."""
     get = lambda name, default=None: getattr(args, name, default) if args is not None else default  # noqa: E731
     section = TurnstileSection.model_validate(get("turnstile") or {})
     target = get("rollout_batch_size") or EMBEDDED_TARGET_GROUPS
@@ -132,12 +139,17 @@ def settings_from_args(args: Any) -> BridgeSettings:
     router_ip, router_port = get("sglang_router_ip"), get("sglang_router_port")
     temperature, top_k = get("rollout_temperature"), get("rollout_top_k")
     sampling = SamplingParams(
-        max_new_tokens=section.max_new_tokens or min(response_len, 1024),
+        # a turn may use what is left of the response budget; a per-turn cap only when asked for
+        max_new_tokens=section.max_new_tokens or response_len,
         temperature=1.0 if temperature is None else temperature,
         top_p=get("rollout_top_p") or 1.0,
         top_k=-1 if top_k is None else top_k,
         stop_token_ids=tuple(get("rollout_stop_token_ids") or ()),
+        stop=tuple(get("rollout_stop") or ()),
+        skip_special_tokens=bool(get("rollout_skip_special_tokens", False)),
     )
+    deterministic = bool(get("sglang_enable_deterministic_inference", False))
+    concurrency = get("sglang_server_concurrency")
     return BridgeSettings(
         n_samples_per_prompt=get("n_samples_per_prompt") or 1,
         target_groups=target,
@@ -147,11 +159,21 @@ def settings_from_args(args: Any) -> BridgeSettings:
         max_turns=get("max_turns") or 6,
         env_path=get("rollout_interaction_env_path") or "engine.envs.arith",
         tokenizer=get("hf_checkpoint") or "qwen2.5",
-        prompt_is_rendered=bool(get("apply_chat_template", False)),
+        chat_template_kwargs=dict(get("apply_chat_template_kwargs") or {}),
         url=f"http://{router_ip}:{router_port}" if router_ip and router_port else None,
         max_tokens=response_len,
         max_context_len=get("rollout_max_context_len"),
         sampling=sampling,
+        sampling_seed_base=(get("rollout_seed") if get("rollout_seed") is not None else 42) if deterministic else None,
+        max_generating=concurrency * max(1, _num_engines(get)) if concurrency else None,
         num_gpus=get("rollout_num_gpus"),
         turnstile=section,
     )
+
+
+def _num_engines(get: Any) -> int:
+    """SGLang engines behind the router, as slime counts them (`get_rollout_num_engines`)."""
+    if get("rollout_num_engines") is not None:
+        return int(get("rollout_num_engines"))
+    gpus = get("rollout_num_gpus") or 0
+    return gpus // (get("rollout_num_gpus_per_engine") or 1) if gpus > 0 else 0

@@ -19,12 +19,12 @@ interface hands over nothing else that lasts.
 from __future__ import annotations
 
 import atexit
-import json
-from pathlib import Path
 from typing import Any
 
-from bridge.convert import sample_class
-from bridge.service import RolloutService, row_from_group
+from bridge.evaluation import eval_datasets
+from bridge.flags import FlagError, check_args
+from bridge.rewards import load_function
+from bridge.service import RolloutService
 from bridge.settings import BridgeSettings, settings_from_args
 
 try:
@@ -48,8 +48,14 @@ SERVICE_ATTRIBUTE = "_turnstile_service"
 
 
 def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: bool = False) -> Any:
-    """slime's rollout function. Train: `RolloutFnTrainOutput`; eval: `RolloutFnEvalOutput`."""
+    """slime's rollout function. Train: `RolloutFnTrainOutput`; eval: `RolloutFnEvalOutput`.
+
+    A step, as slime's own: groups are generated, scored as they end and filtered (dropped groups are
+    replaced from the data source); then `--rollout-sample-filter-path` runs on the kept groups and
+    `--rollout-all-samples-process-path` on kept and dropped ones, both sorted by slime's `index`."""
     if evaluation:
+        if _get(args, "group_rm"):
+            raise FlagError("--group-rm: slime's eval scores samples one by one (its eval_rollout asserts no group_rm)")
         service = service_for(args, group_size=1)
         return RolloutFnEvalOutput(data=service.evaluate(eval_datasets(args, service.settings)), metrics=None)
     first = data_source.get_samples(1) if args is None else []  # args=None: learn the group size from the data
@@ -57,16 +63,24 @@ def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: b
     target = service.settings.target_groups
     groups = first + _take(data_source, service.wanted(target) - len(first))
     samples: list[list[Any]] = []
+    dropped: list[list[Any]] = []
     metrics: dict[str, Any] = {}
     while True:
         out = service.rollout(rollout_id, target - len(samples), groups)
         samples += out.samples
+        dropped += out.dropped
         metrics = out.metrics
         if len(samples) >= target:
             break
-        groups = _take(data_source, target - len(samples))  # filtered groups are replaced
+        groups = _take(data_source, target - len(samples))  # dropped groups are replaced
         if not groups:
             break  # the data source ran dry
+    samples.sort(key=_first_index)
+    if (path := _get(args, "rollout_sample_filter_path")) is not None:
+        load_function(path, flag="--rollout-sample-filter-path")(args, samples)
+    if (path := _get(args, "rollout_all_samples_process_path")) is not None:
+        every = sorted(samples + dropped, key=_first_index)
+        load_function(path, flag="--rollout-all-samples-process-path")(args, every, data_source)
     return RolloutFnTrainOutput(samples=samples, metrics=metrics)
 
 
@@ -85,6 +99,7 @@ def service_for(args: Any, *, group_size: int | None) -> RolloutService:
         return _EMBEDDED[n]
     service = getattr(args, SERVICE_ATTRIBUTE, None)
     if service is None:
+        check_args(args)
         settings = settings_from_args(args)
         if settings.turnstile.ray_actor:
             from bridge.ray_actor import attach_or_create
@@ -96,34 +111,13 @@ def service_for(args: Any, *, group_size: int | None) -> RolloutService:
     return service
 
 
-def eval_datasets(args: Any, settings: BridgeSettings) -> dict[str, tuple[list[dict[str, Any]], int]]:
-    """slime's `args.eval_datasets` as prompt rows; the built-in env's prompts when there are none."""
-    configs = getattr(args, "eval_datasets", None) if args is not None else None
-    if not configs:
-        from engine.envs.arith import make_prompts
-
-        return {"arith": (make_prompts(4, seed=1_000, vision=settings.turnstile.vision), 1)}
-    datasets = {}
-    default_n = getattr(args, "n_samples_per_eval_prompt", None) or 1
-    for cfg in configs:
-        rows = [_eval_row(row, cfg, settings) for row in _raw_rows(cfg.path)]
-        datasets[cfg.name] = (rows, cfg.n_samples_per_eval_prompt or default_n)
-    return datasets
+def _get(args: Any, name: str) -> Any:
+    return getattr(args, name, None) if args is not None else None
 
 
-def _eval_row(raw: dict[str, Any], cfg: Any, settings: BridgeSettings) -> dict[str, Any]:
-    Sample = sample_class()
-    prompt = raw[cfg.input_key or "prompt"]
-    sample = Sample(
-        prompt=prompt,
-        label=raw.get(cfg.label_key or "label"),
-        metadata=dict(raw.get(cfg.metadata_key or "metadata") or {}),
-    )
-    return row_from_group([sample], rollout_id=-1, settings=settings)
-
-
-def _raw_rows(path: str) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+def _first_index(group: list[Any]) -> Any:
+    index = group[0].index
+    return (index is None, index)
 
 
 def _take(data_source: Any, n: int) -> list[list[Any]]:

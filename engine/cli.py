@@ -29,6 +29,7 @@ from engine.config import BackendConfig, RunConfig
 from engine.encoding import ChatEncoder
 from engine.engine import RolloutEngine
 from engine.envs.loader import EnvFactory
+from engine.errors import BackendError
 from engine.metrics.live import LiveView
 from engine.metrics.logging import TurnLogger
 from engine.metrics.recorder import MetricsRecorder
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--prompts", help="a JSONL file of rows {prompt: [messages], label, metadata} instead")
     run.add_argument("--out", default="out/trajectories.jsonl", help="where the JSON lines go ('-' for stdout)")
     run.add_argument("--backend", choices=["local", "sglang"])
-    run.add_argument("--url", help="SGLang server or router URL (with --backend sglang)")
+    run.add_argument("--url", help="SGLang server or sglang-router URL, or several, comma-separated (--backend sglang)")
     run.add_argument("--model", help="local backend: tiny-qwen2, tiny-qwen2.5-vl or a model directory")
     for flag in ("tokenizer", "chat-template", "env-path"):
         run.add_argument(f"--{flag}")
@@ -80,7 +81,11 @@ def main(argv: list[str] | None = None) -> int:
         )
     except (ValueError, OSError) as exc:  # bad settings, prompts or env: one error naming it
         parser.error(str(exc))
-    return anyio.run(_run, config, rows, make_env, args.out)
+    try:
+        return anyio.run(_run, config, rows, make_env, args.out)
+    except BackendError as exc:  # the backend failed outside any trajectory (as the engine started): one line
+        print(f"turnstile: {exc.message}", file=sys.stderr)
+        return 2
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -145,11 +150,14 @@ async def _run(config: RunConfig, rows: list[dict[str, Any]], make_env: EnvFacto
     finished: list[Trajectory] = []
     started = time.monotonic()
     async with AsyncExitStack() as stack:
-        backend = await stack.enter_async_context(_backend(config, encoder))
-        if not await backend.health():
-            print(
-                f"turnstile: the {config.backend.kind} backend at {config.backend.url} is not healthy", file=sys.stderr
-            )
+        try:  # an SGLang URL is found to be a server or a router (and its workers) on entering
+            backend = await stack.enter_async_context(_backend(config, encoder))
+            is_healthy, why = await backend.health(), ""
+        except BackendError as exc:
+            is_healthy, why = False, f": {exc.message}"
+        if not is_healthy:
+            where = f"the {config.backend.kind} backend at {config.backend.url}"
+            print(f"turnstile: {where} is not healthy{why}", file=sys.stderr)
             return 2
         sink = stack.enter_context(nullcontext(sys.stdout) if out == "-" else _open_out(out))
         recorder = MetricsRecorder()

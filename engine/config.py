@@ -42,6 +42,7 @@ class EngineConfig(BaseModel):
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None  # serve Prometheus /metrics here (0: any free port; None: not at all)
     seed: int = 0
+    sampling_seed_base: int | None = None  # per-request sampling seed = this + index in group (SGLang)
 
 
 class BackendConfig(BaseModel):

@@ -24,6 +24,7 @@ names the first turn where the two differ.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -96,6 +97,7 @@ class ChatEncoder:
             name = getattr(tokenizer, "name_or_path", None) or type(tokenizer).__name__
             raise ValueError(f"tokenizer {name!r} has no chat template; set one (chat_template=...) before encoding")
         self._prefix: dict[str, str] = {}  # observation role -> dummy text up to the end-of-turn token
+        self._with_tools: dict[str, ChatEncoder] = {}  # tools (as JSON) -> an encoder that renders them
         self.end_of_turn_id, self._end_of_turn_text = self._find_end_of_turn()
 
     # -- public ---------------------------------------------------------------------------------------
@@ -109,6 +111,18 @@ class ChatEncoder:
     def image_token_id(self) -> int | None:
         """The token an image expands into (`<|image_pad|>` for Qwen-VL); None without a VLM processor."""
         return getattr(self.processor, "image_token_id", None) if self.processor is not None else None
+
+    def for_tools(self, tools: list[dict[str, Any]] | None) -> ChatEncoder:
+        """This encoder, or one like it that renders `tools` (a prompt's own tool set, as slime's
+        `--tool-key` puts it in `metadata["tools"]`) into every prompt and observation; cached per tool set."""
+        if not tools or tools == self.tools:
+            return self
+        key = json.dumps(tools, sort_keys=True, default=str)
+        if key not in self._with_tools:
+            self._with_tools[key] = ChatEncoder(
+                self.tokenizer, processor=self.processor, tools=tools, chat_template_kwargs=self.template_kwargs
+            )
+        return self._with_tools[key]
 
     def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool) -> str:
         return self._renderer.apply_chat_template(
@@ -147,9 +161,10 @@ class ChatEncoder:
         """The model's turn as message content for a re-render: decoded, end-of-turn token dropped."""
         return self._decode_turn(generated, skip_special_tokens=False)
 
-    def response_text(self, generated: list[int]) -> str:
-        """The model's turn as the env reads it: special tokens skipped, as SGLang's `text` has it."""
-        return self._decode_turn(generated, skip_special_tokens=True)
+    def response_text(self, generated: list[int], *, skip_special_tokens: bool = True) -> str:
+        """The model's turn as the env reads it, as SGLang's `text` has it (special tokens skipped unless
+        the request said otherwise); its end-of-turn token is dropped either way."""
+        return self._decode_turn(generated, skip_special_tokens=skip_special_tokens)
 
     def _decode_turn(self, generated: list[int], *, skip_special_tokens: bool) -> str:
         if generated and generated[-1] in self.stop_token_ids:

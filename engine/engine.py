@@ -14,10 +14,11 @@ pauses the rest, which resume first in the next step with their envs and turn st
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -29,21 +30,37 @@ from engine.config import EngineConfig
 from engine.encoding import ChatEncoder
 from engine.envs.base import EnvRunner
 from engine.envs.loader import EnvLoadError, EnvSample
+from engine.errors import RewardError
 from engine.metrics.events import Observer
 from engine.metrics.recorder import MetricsRecorder
 from engine.metrics.summary import step_summary
 from engine.scheduler.partial import mask_offpolicy
 from engine.scheduler.queue import SchedulerStatistics
-from engine.scheduler.retry import CircuitBreaker
-from engine.scheduler.scheduler import Scheduler
+from engine.scheduler.retry import CircuitBreaker, RetryBudget
+from engine.scheduler.scheduler import SCORED, Scheduler, maybe_await
 from engine.source import PromptSource, RowSource
-from engine.trajectory import Group, Status, Trajectory
+from engine.trajectory import Group, Trajectory
 from engine.turn import record_failure
 
 if TYPE_CHECKING:
     from engine.metrics.prometheus import MetricsExporter
 
-GroupFilter = Callable[[Group], str | None]  # a reason to drop the group, or None to keep it
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """A group filter's answer (slime's DynamicFilterOutput): keep the group, or drop it for `reason`;
+    `keep_when_insufficient` keeps a dropped group when the step could not be filled without it."""
+
+    keep: bool
+    reason: str | None = None
+    keep_when_insufficient: bool = False
+
+
+# A group filter: a reason to drop the group (or None to keep it), or a Verdict; sync or async.
+GroupFilter = Callable[[Group], "str | None | Verdict | Awaitable[str | None | Verdict]"]
+GroupRewardFn = Callable[[Group], "Sequence[Any] | Awaitable[Sequence[Any]]"]  # one reward per member
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,9 +85,15 @@ class RolloutEngine:
         source: PromptSource | Iterable[dict[str, Any]],
         config: EngineConfig | None = None,
         reward_fn: Callable[[Trajectory], Any] | None = None,
+        group_reward_fn: GroupRewardFn | None = None,
         group_filter: GroupFilter | None = None,
         observers: Sequence[Observer] = (),
     ):
+        """`reward_fn(trajectory)` scores each trajectory that ends COMPLETED or TRUNCATED, as it ends (its
+        return value is the reward); `group_reward_fn(group)` instead scores a whole group once all its
+        members have ended. Either may be async; a raise or a timeout is a REWARD error, retried within
+        the retry policy, then the trajectory (the group's members) fails. `group_filter` sees each scored
+        group and may drop it."""
         config = config or EngineConfig()
         self.recorder = next((o for o in observers if isinstance(o, MetricsRecorder)), None)
         if self.recorder is None and config.metrics_port is not None:
@@ -82,6 +105,7 @@ class RolloutEngine:
         self.backend, self.encoder, self.env_factory, self.config = backend, encoder, env_factory, config
         self.source = source if isinstance(source, PromptSource) else RowSource(source)
         self.group_filter = group_filter or (_drop_zero_std if config.drop_zero_std else None)
+        self.group_reward_fn = group_reward_fn
         sampling = config.sampling
         if not sampling.stop_token_ids:
             sampling = replace(sampling, stop_token_ids=encoder.stop_token_ids)
@@ -93,7 +117,8 @@ class RolloutEngine:
             ),
             max_generating=config.max_generating, max_env_steps=config.max_env_steps, policy=config.policy,
             max_staleness=config.max_staleness, on_stale=config.on_stale, group_left=self._group_left,
-            reward_fn=reward_fn, observers=self.observers, seed=config.seed,
+            reward_fn=None if group_reward_fn is not None else reward_fn, observers=self.observers,
+            seed=config.seed, seed_base=config.sampling_seed_base,
         )  # fmt: skip
         self.exporter: MetricsExporter | None = None
         self.last_step_summary: dict[
@@ -102,6 +127,9 @@ class RolloutEngine:
         self._open: dict[int, Group] = {}
         self._done: deque[Group] = deque()
         self._dropped: Counter[str] = Counter()
+        self._dropped_groups: list[Group] = []  # dropped by the filter since `take_dropped` was last called
+        self._settled: set[int] = set()  # members of open groups that have ended and been scored
+        self._wanted = 0  # finished groups the running `rollout` call still needs
         self._counts: Counter[str] = Counter()
         self._num_inflight = 0
         self._exhausted = False
@@ -136,11 +164,13 @@ class RolloutEngine:
             await self.resume()
         partial = self.config.partial_rollout
         goal = math.ceil(target_groups * self.config.over_sampling) if partial else target_groups
+        self._wanted = target_groups
         while len(self._done) < target_groups:
             self._admit(goal)
             if not self._open and self._exhausted:
                 break
             await self._wait_for_change()
+        self._wanted = 0
         groups = [self._done.popleft() for _ in range(min(target_groups, len(self._done)))]
         self._counts["returned"] += len(groups)
         if partial and self._open:
@@ -205,6 +235,16 @@ class RolloutEngine:
             scheduler=self.scheduler.statistics(),
         )
 
+    def group_of(self, trajectory: Trajectory) -> Group | None:
+        """The open group a trajectory belongs to (while it runs or is being scored), else None."""
+        group = self._open.get(trajectory.group_id)
+        return group if group is not None and trajectory in group.trajectories else None
+
+    def take_dropped(self) -> list[Group]:
+        """The groups the filter dropped since the last call (slime's all-samples hook sees them)."""
+        dropped, self._dropped_groups = self._dropped_groups, []
+        return dropped
+
     @property
     def open_groups(self) -> list[Group]:
         """Groups admitted and not finished: running, or paused between steps."""
@@ -243,8 +283,7 @@ class RolloutEngine:
             self._tasks.start_soon(self._run, group, trajectory)
 
     def _rerun_stale(self) -> None:
-        trained = (Status.COMPLETED, Status.TRUNCATED)  # failed ones are masked out in training anyway
-        too_old = lambda t: t.status in trained and self.scheduler.clock.staleness(t) > self.config.max_staleness  # noqa: E731
+        too_old = lambda t: t.status in SCORED and self.scheduler.clock.staleness(t) > self.config.max_staleness  # noqa: E731
         for group in [g for g in self._done if any(too_old(t) for t in g.trajectories)]:
             self._done.remove(group)  # back in flight until its stale members have run again
             self._open[group.group_id] = group
@@ -256,6 +295,7 @@ class RolloutEngine:
     def _rerun(self, group: Group, index: int) -> None:
         """Replace an ended member with a fresh run of the same prompt (its tokens are discarded)."""
         old = group.trajectories[index]
+        self._settled.discard(old.id)
         self.scheduler.count_discarded(old)
         fresh = Trajectory(
             prompt=old.prompt,
@@ -281,22 +321,74 @@ class RolloutEngine:
                 self._maybe_check_drift(trajectory)
         finally:
             self._num_inflight -= 1
-            if group.is_done:
-                self._finish_group(group)
-            self._changed.set()
+        self._settled.add(trajectory.id)  # ended and scored
+        if all(t.id in self._settled for t in group.trajectories):  # the last one scores the group, emits it
+            await self._finish_group(group, trajectory)
+        self._changed.set()
 
-    def _finish_group(self, group: Group) -> None:
+    async def _finish_group(self, group: Group, last: Trajectory) -> None:
+        members = list(group.trajectories)
+        if self.group_reward_fn is not None and any(t.status in SCORED for t in members):
+            rewards = await self._score_group(group, last)
+            if group.trajectories != members:
+                return  # a member was rerun meanwhile (gone stale): its end scores the group again
+            self._apply_group_rewards(members, rewards)
         del self._open[group.group_id]
+        self._settled.difference_update(t.id for t in members)
         if self.config.mask_offpolicy:
             for trajectory in group.trajectories:
                 mask_offpolicy(trajectory, self.scheduler.clock)
-        reason = self.group_filter(group) if self.group_filter is not None else None
-        if reason is None:
+        verdict = await self._verdict(group)
+        if verdict.keep:
             self._done.append(group)
             return
+        reason = verdict.reason or "unspecified"
         self._dropped[reason] += 1
+        self._dropped_groups.append(group)
         for observer in self.observers:
             observer.group_dropped(group, reason)
+
+    async def _score_group(self, group: Group, last: Trajectory) -> list[Any] | RewardError:
+        """The group's rewards, one per member, or the REWARD error that ended its retries."""
+        budget = RetryBudget(self.config.retry)
+        size = len(group.trajectories)
+        try:
+            rewards = list(await self.scheduler.score(self.group_reward_fn, group, budget, last))
+        except RewardError as exc:
+            return exc
+        if len(rewards) != size:
+            return RewardError(
+                f"the group reward function gave {len(rewards)} rewards for group {group.group_id} of {size}"
+            )
+        return rewards
+
+    @staticmethod
+    def _apply_group_rewards(members: list[Trajectory], rewards: list[Any] | RewardError) -> None:
+        """Rewards onto the members; a failed group reward fails every member it would have scored."""
+        if isinstance(rewards, RewardError):
+            for trajectory in members:
+                if trajectory.status in SCORED:
+                    trajectory.fail_after_end(rewards.record(len(trajectory.turns)))
+            return
+        for trajectory, reward in zip(members, rewards, strict=True):
+            trajectory.reward = reward
+
+    async def _verdict(self, group: Group) -> Verdict:
+        """Whether to keep a finished group: the filter's answer (a filter that raises keeps the group and
+        logs why), with slime's rule for `keep_when_insufficient`."""
+        if self.group_filter is None:
+            return Verdict(keep=True)
+        try:
+            answer = await maybe_await(self.group_filter(group))
+        except Exception as exc:  # noqa: BLE001 -- a broken filter must not lose the group or the step
+            log.warning("group filter raised %r for group %d; the group is kept", exc, group.group_id)
+            self._counts["filter_errors"] += 1
+            return Verdict(keep=True)
+        verdict = answer if isinstance(answer, Verdict) else Verdict(keep=answer is None, reason=answer)
+        candidates = len(self._open) + len(self._done) + 1  # groups this step can still return, this one too
+        if not verdict.keep and verdict.keep_when_insufficient and candidates <= self._wanted:
+            return Verdict(keep=True)
+        return verdict
 
     def _maybe_check_drift(self, trajectory: Trajectory) -> None:
         """Every `drift_check_every`-th finished trajectory: compare it with a full re-render."""

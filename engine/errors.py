@@ -14,6 +14,7 @@ class Stage(StrEnum):
     BACKEND = "backend"
     ENV = "env"
     ENCODE = "encode"
+    REWARD = "reward"
 
 
 class ErrorClass(StrEnum):
@@ -29,10 +30,19 @@ class ErrorClass(StrEnum):
     ENV_RETRYABLE = "env_retryable"  # the env said so (raised EnvRetryableError)
     # encoding of an observation (an image that does not decode, a template that fails)
     BAD_OBSERVATION = "bad_observation"
+    # scoring a finished trajectory or group: the reward function raised or did not answer in time
+    REWARD = "reward"
 
 
 RETRYABLE = frozenset(
-    {ErrorClass.CONNECTION, ErrorClass.SERVER, ErrorClass.TIMEOUT, ErrorClass.ENV_TIMEOUT, ErrorClass.ENV_RETRYABLE}
+    {
+        ErrorClass.CONNECTION,
+        ErrorClass.SERVER,
+        ErrorClass.TIMEOUT,
+        ErrorClass.ENV_TIMEOUT,
+        ErrorClass.ENV_RETRYABLE,
+        ErrorClass.REWARD,
+    }
 )
 
 
@@ -89,6 +99,13 @@ class ObservationError(TurnError):
 
     def __init__(self, message: str):
         super().__init__(ErrorClass.BAD_OBSERVATION, message)
+
+
+class RewardError(TurnError):
+    stage = Stage.REWARD
+
+    def __init__(self, message: str):
+        super().__init__(ErrorClass.REWARD, message)
 
 
 class EnvRetryableError(Exception):

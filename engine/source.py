@@ -1,4 +1,4 @@
-"""Where prompts come from: rows `{"prompt": [chat messages], "label": ..., "metadata": {...}}`.
+"""Where prompts come from: rows `{"prompt": [chat messages] or "rendered text", "label": ..., "metadata": {...}}`.
 
 A source hands out rows as the engine asks for them (`take`), so over-sampling pulls only what it
 needs. Any iterable of rows works through `RowSource`; `jsonl_rows` reads a JSONL file with one
@@ -67,6 +67,8 @@ def jsonl_rows(path: str | Path) -> Iterator[dict[str, Any]]:
 
 
 def check_row(row: Any, *, where: str) -> dict[str, Any]:
-    if not isinstance(row, dict) or not isinstance(row.get("prompt"), list):
-        raise ValueError(f"{where}: 'prompt' must be a list of chat messages")
+    """A row's prompt is chat messages, or text already rendered with the chat template (given to the
+    model as it is, as slime's `--apply-chat-template` prompts are)."""
+    if not isinstance(row, dict) or not isinstance(row.get("prompt"), list | str):
+        raise ValueError(f"{where}: 'prompt' must be a list of chat messages or rendered text")
     return row

@@ -12,6 +12,7 @@ Status changes go through `transition`, the one writer, which refuses illegal ed
 from __future__ import annotations
 
 import itertools
+import uuid
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -44,6 +45,7 @@ class StopReason(StrEnum):
     ABORTED = "aborted"
     ENV_ERROR = "env_error"
     BACKEND_ERROR = "backend_error"
+    REWARD_ERROR = "reward_error"
 
 
 _TERMINAL = frozenset({Status.COMPLETED, Status.TRUNCATED, Status.ABORTED, Status.FAILED})
@@ -51,6 +53,9 @@ _LEGAL_EDGES = {
     Status.PENDING: frozenset({Status.RUNNING, Status.ABORTED, Status.FAILED}),
     Status.RUNNING: frozenset({Status.PAUSED} | _TERMINAL),
     Status.PAUSED: frozenset({Status.RUNNING, Status.ABORTED, Status.FAILED}),
+    # a group's reward is computed once every member has ended; when it fails, the members fail
+    Status.COMPLETED: frozenset({Status.FAILED}),
+    Status.TRUNCATED: frozenset({Status.FAILED}),
 }
 # The status each stop reason ends a trajectory in.
 END_STATUS = {
@@ -61,6 +66,7 @@ END_STATUS = {
     StopReason.ABORTED: Status.ABORTED,
     StopReason.ENV_ERROR: Status.FAILED,
     StopReason.BACKEND_ERROR: Status.FAILED,
+    StopReason.REWARD_ERROR: Status.FAILED,
 }
 
 _ids = itertools.count()
@@ -88,7 +94,10 @@ class Turn:
     queue_seconds: float = 0.0  # waiting for a generation slot (a pause not counted)
     env_queue_seconds: float = 0.0  # waiting for an env slot
     retries: int = 0
+    prompt_tokens: int = 0  # what the server prefilled for this turn's requests, cached or not
+    cached_tokens: int = 0  # of those, how many it found in its prefix cache
     finish_reason: str | None = None
+    cut_at_cap: bool = False  # the per-turn cap stopped the model mid-turn; the trajectory went on
     weight_version: str | None = None
     observation: dict[str, Any] | None = None  # the env's chat message after this turn (kept for re-rendering)
     is_reported: bool = False  # observers were told this turn ended
@@ -117,6 +126,8 @@ class Trajectory:
     reward: float | dict[str, float] | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     id: int = field(default_factory=lambda: next(_ids))
+    session_id: str = field(default_factory=lambda: uuid.uuid4().hex)  # routes every turn to one server
+    sample: Any = None  # what the consumer made of it once ended (the bridge's slime Sample)
 
     # -- building ---------------------------------------------------------------------------------
     def set_prompt(self, token_ids: Sequence[int]) -> None:
@@ -155,6 +166,11 @@ class Trajectory:
 
     def finish(self, stop_reason: StopReason) -> None:
         self.transition(END_STATUS[stop_reason], stop_reason)
+
+    def fail_after_end(self, error: ErrorRecord) -> None:
+        """An ended COMPLETED or TRUNCATED trajectory fails after all: its group's reward failed."""
+        self.errors.append(error)
+        self.transition(Status.FAILED, StopReason.REWARD_ERROR)
 
     def restart(self) -> int:
         """Drop everything but the prompt messages, to run again from the start; returns the number of

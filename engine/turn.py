@@ -28,6 +28,8 @@ from engine.envs.base import EnvRunner
 from engine.errors import Stage, TurnError
 from engine.trajectory import Status, StopReason, Trajectory, Turn
 
+SPEC_KEYS = ("spec_accept_token_num", "spec_draft_token_num", "spec_verify_ct", "completion_tokens")
+
 
 @dataclass(frozen=True, slots=True)
 class TurnLimits:
@@ -59,16 +61,29 @@ async def generate_turn(
     A turn whose generation was aborted (finish reason `abort`) is continued with what is left of its
     `max_new_tokens`, not started anew: partial rollout resumes trajectories mid-turn."""
     turn = _open_turn(trajectory)
-    left = sampling.max_new_tokens - turn.num_generated
-    params = replace(sampling, max_new_tokens=min(left, limits.remaining(trajectory)))
+    left = min(sampling.max_new_tokens - turn.num_generated, limits.remaining(trajectory))
+    if left <= 0:
+        raise ValueError(f"trajectory {trajectory.id}: no room left to generate (check out_of_room first)")
+    params = replace(sampling, max_new_tokens=left)
     started = time.monotonic()
     result = await backend.generate(
-        trajectory.tokens.tolist(), params, trajectory.image_data or None, rid=rid or uuid.uuid4().hex
+        trajectory.tokens.tolist(),
+        params,
+        trajectory.image_data or None,
+        rid=rid or uuid.uuid4().hex,
+        session_id=trajectory.session_id,
     )
     turn.generate_seconds += time.monotonic() - started
     trajectory.append_generation(result.token_ids, result.logprobs, result.weight_version)
     turn.num_generated += len(result.token_ids)
+    turn.prompt_tokens += result.prompt_tokens
+    turn.cached_tokens += result.cached_tokens
+    if "spec_verify_ct" in result.meta:  # speculative decoding's counts, summed as slime's Sample.spec_info does
+        spec = trajectory.metadata.setdefault("spec_info", dict.fromkeys(SPEC_KEYS, 0))
+        for key in SPEC_KEYS:
+            spec[key] += int(result.meta.get(key) or 0)
     turn.weight_version = result.weight_version
+    # SGLang checks aborts before the length cap: an abort can carry the turn's last allowed token
     aborted_at_cap = result.finish_reason == "abort" and turn.num_generated >= sampling.max_new_tokens
     turn.finish_reason = "length" if aborted_at_cap else result.finish_reason
     return result
@@ -100,13 +115,19 @@ def stop_after_generation(trajectory: Trajectory, result: GenerateResult, limits
 
 
 async def env_turn(
-    trajectory: Trajectory, env: EnvRunner, encoder: ChatEncoder, limits: TurnLimits
+    trajectory: Trajectory,
+    env: EnvRunner,
+    encoder: ChatEncoder,
+    limits: TurnLimits,
+    *,
+    skip_special_tokens: bool = True,
 ) -> StopReason | None:
-    """Steps 4 and 5: the env answers the model's last turn; its observation is appended with loss mask 0."""
+    """Steps 4 and 5: the env answers the model's last turn (decoded as SGLang's `text` would be, with
+    or without special tokens); its observation is appended with loss mask 0."""
     turn = trajectory.turns[-1]
     generated = trajectory.generated_ids(turn).tolist()
     started = time.monotonic()
-    step = await env.step(encoder.response_text(generated))
+    step = await env.step(encoder.response_text(generated, skip_special_tokens=skip_special_tokens))
     turn.env_seconds = time.monotonic() - started
     if "reward" in step.info:
         trajectory.reward = step.info["reward"]
@@ -164,7 +185,10 @@ async def run_trajectory(
 def record_failure(trajectory: Trajectory, error: TurnError) -> StopReason:
     """Keep the error on the trajectory; the stop reason it ends with."""
     trajectory.errors.append(error.record(len(trajectory.turns)))
-    return StopReason.BACKEND_ERROR if error.stage is Stage.BACKEND else StopReason.ENV_ERROR
+    return _STOP_OF_STAGE.get(error.stage, StopReason.ENV_ERROR)
+
+
+_STOP_OF_STAGE = {Stage.BACKEND: StopReason.BACKEND_ERROR, Stage.REWARD: StopReason.REWARD_ERROR}
 
 
 async def close_env(env: EnvRunner, trajectory: Trajectory) -> None:

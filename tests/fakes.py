@@ -17,6 +17,7 @@ class Request:
     sampling_params: SamplingParams
     image_data: list[str] | None
     rid: str | None
+    session_id: str | None = None
 
 
 class ScriptedBackend:
@@ -34,10 +35,11 @@ class ScriptedBackend:
         self.weight_version_ = weight_version
         self.requests: list[Request] = []
 
-    async def generate(self, input_ids, sampling_params, image_data=None, *, rid=None) -> GenerateResult:
-        self.requests.append(
-            Request(list(input_ids), sampling_params, None if image_data is None else list(image_data), rid)
-        )
+    async def generate(
+        self, input_ids, sampling_params, image_data=None, *, rid=None, session_id=None
+    ) -> GenerateResult:
+        images = None if image_data is None else list(image_data)
+        self.requests.append(Request(list(input_ids), sampling_params, images, rid, session_id))
         if not self.replies:
             raise BackendError(ErrorClass.MALFORMED, "scripted backend: no reply left")
         reply = self.replies.pop(0)
@@ -118,11 +120,15 @@ class DeterministicBackend:
         self.num_calls = 0
         self.running: dict[str, bool] = {}  # rid -> aborted
         self.max_running = 0
+        self.session_ids: list[str | None] = []  # of each generate call
 
-    async def generate(self, input_ids, sampling_params, image_data=None, *, rid=None) -> GenerateResult:
+    async def generate(
+        self, input_ids, sampling_params, image_data=None, *, rid=None, session_id=None
+    ) -> GenerateResult:
         import anyio
 
         self.num_calls += 1
+        self.session_ids.append(session_id)
         if (error := self.failures.pop(self.num_calls, None)) is not None:
             await anyio.lowlevel.checkpoint()
             raise error

@@ -8,10 +8,15 @@ arrive, and echoes the prompt when the script is empty. Every request is recorde
         ...  # point SGLangBackend at server.url
         server.requests_to("/generate")[0].body["input_ids"]
 
-Reply shapes follow SGLang 0.5.x (python/sglang/srt/entrypoints/http_server.py and
+Reply shapes follow SGLang 0.5.23 (python/sglang/srt/entrypoints/http_server.py and
 managers/tokenizer_manager.py): an aborted request answers HTTP 200 with the tokens so far and
-`finish_reason.type == "abort"`; `/abort_request` matches `rid` as a prefix; `/pause_generation`
-in mode "abort" aborts every request; `/health` is 200 or 503 with an empty body.
+`finish_reason.type == "abort"`; `/abort_request` ignores a `rid` it does not hold and, for one it
+holds, aborts every held request whose rid starts with it (the tokenizer manager looks the rid up
+exactly, the scheduler then matches it as a prefix); `/pause_generation` in mode "abort" aborts every
+request; `/health` is 200 or 503 with an empty body; a route SGLang lacks, such as `/workers`, is a 404
+with its error body. `/server_info` (and the deprecated `/get_server_info`, `/get_model_info`) answer
+as sglang-router's worker registration reads them; the server info leaves out `model_path`, from which
+the router would try to load a tokenizer.
 """
 
 from __future__ import annotations
@@ -35,7 +40,8 @@ class Generate:
 
     `token_ids=None` echoes the request's `input_ids` (cut to `max_new_tokens`). `finish` is the
     finish type written into the reply (anything, to test unknown types). `hold=True` answers only once
-    the request is aborted (its rid, abort_all, or a pause in mode "abort"), with finish type "abort".
+    the request is aborted (its rid or a held prefix of it, abort_all, or a pause in mode "abort"), with
+    finish type "abort".
     `drop` removes dotted paths from the reply ("meta_info.prompt_tokens"); `output_ids` overrides the
     top-level output_ids (to make lengths disagree); `status` sends the reply with another HTTP status.
     """
@@ -154,6 +160,11 @@ class SGLangDouble:
         with self._lock:
             return len(self._held)
 
+    @property
+    def held_rids(self) -> list[str | None]:
+        with self._lock:
+            return [held.rid for held in self._held]
+
     def wait_held(self, count: int, timeout: float = 5.0) -> bool:
         """Block until at least `count` requests are held (call from a worker thread in async tests)."""
         with self._lock:
@@ -244,13 +255,15 @@ class SGLangDouble:
         if (method, path) == ("GET", "/health"):
             self.health_checked.set()
             return (200 if self.healthy else 503), b""
-        if (method, path) == ("GET", "/model_info"):
+        if (method, path) in (("GET", "/model_info"), ("GET", "/get_model_info")):
             return 200, {"model_path": "double", "is_generation": True, "weight_version": self.weight_version}
+        if (method, path) in (("GET", "/server_info"), ("GET", "/get_server_info")):
+            return 200, {"version": "0.5.23", "dp_size": 1, "frontend": "python"}
         if (method, path) == ("POST", "/abort_request"):
             rid = body.get("rid")
             if body.get("abort_all"):
                 self._abort(lambda held: True)
-            elif rid:
+            elif rid and rid in self.held_rids:
                 self._abort(lambda held: held.rid is not None and held.rid.startswith(rid))
             return 200, b""
         if (method, path) == ("POST", "/pause_generation"):
@@ -269,7 +282,7 @@ class SGLangDouble:
             if version is not None:
                 message += f" Weight version updated to {version}."
             return 200, {"success": True, "message": message, "num_paused_requests": 0}
-        return 404, {"detail": "Not Found"}
+        return 404, error_body(404, "Not Found")  # what SGLang answers for a route it does not have
 
 
 class _Server(ThreadingHTTPServer):

@@ -1,4 +1,5 @@
-"""BackendPool: least-loaded servers, retries that land elsewhere, aborts routed to their server."""
+"""BackendPool: least-loaded servers, sessions kept on their server, retries that land elsewhere, aborts routed
+to their server, control calls that pass over a dead server."""
 
 from __future__ import annotations
 
@@ -17,6 +18,21 @@ from tests.fakes import DeterministicBackend
 from tests.test_engine import env_factory, rows
 
 LONG = SamplingParams(max_new_tokens=50, stop_token_ids=(2,))
+SHORT = SamplingParams(max_new_tokens=2)
+ENDLESS = SamplingParams(max_new_tokens=1_000_000)  # runs until aborted
+
+
+class Dead(DeterministicBackend):
+    """A server that cannot be reached for any control call."""
+
+    def __init__(self, name: str = "http://dead:1", **kwargs):
+        super().__init__(**kwargs)
+        self.name = name
+
+    async def _down(self, *args):
+        raise BackendError(ErrorClass.CONNECTION, f"SGLang server at {self.name} is unreachable: ConnectError")
+
+    pause = resume = abort = weight_version = _down
 
 
 @pytest.mark.anyio
@@ -71,7 +87,71 @@ async def test_a_retry_after_a_connection_error_goes_to_another_server(tokenizer
 
 
 @pytest.mark.anyio
-async def test_health_is_any_server_and_version_is_the_first():
+async def test_a_session_stays_on_its_server_while_that_server_is_healthy():
+    servers = [DeterministicBackend(stop_every=10_000), DeterministicBackend(stop_every=10_000)]
+    pool = BackendPool(servers)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lambda: pool.generate([1], ENDLESS, rid="busy", session_id="a"))
+        await anyio.lowlevel.checkpoint()  # session a's server now has a request in flight
+        for _ in range(3):
+            await pool.generate([2], SHORT, session_id="a")  # its server, though it is the busier
+            await pool.generate([3], SHORT, session_id="b")  # a new session: the least loaded
+        await pool.abort("busy")
+    assert servers[0].session_ids == ["a"] * 4
+    assert servers[1].session_ids == ["b"] * 3
+
+
+@pytest.mark.anyio
+async def test_a_session_moves_when_its_server_fails_and_stays_where_it_moved():
+    now = [0.0]
+    flaky = DeterministicBackend(failures={2: BackendError(ErrorClass.CONNECTION, "refused")})
+    other = DeterministicBackend()
+    pool = BackendPool([flaky, other], cooldown_s=10, clock=lambda: now[0])
+    await pool.generate([1], SHORT, session_id="a")
+    with pytest.raises(BackendError):
+        await pool.generate([1], SHORT, session_id="a")
+    await pool.generate([1], SHORT, session_id="a")  # its server cools down: the other one
+    now[0] = 100.0
+    await pool.generate([1], SHORT, session_id="a")  # and there it stays
+    assert flaky.session_ids == ["a", "a"] and other.session_ids == ["a", "a"]
+
+
+def test_the_pool_remembers_the_latest_sessions_only():
+    pool = BackendPool([DeterministicBackend(), DeterministicBackend()], max_sessions=2)
+    for session in ("a", "b", "a", "c"):
+        pool.pick(session)
+    assert list(pool._sessions) == ["a", "c"]
+
+
+@pytest.mark.anyio
+async def test_control_calls_pass_over_a_dead_server_and_fail_only_when_all_do(caplog):
+    pool = BackendPool([Dead(), DeterministicBackend(weight_version="v3")])
+    await pool.pause()
+    await pool.resume()
+    await pool.abort()
+    assert await pool.weight_version() == "v3"
+    failed = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
+    assert len(failed) == 4 and all("server 0" in m and "http://dead:1 is unreachable" in m for m in failed)
+
+    with pytest.raises(BackendError) as info:
+        await BackendPool([Dead("http://a:1"), Dead("http://b:1")]).pause()
+    assert info.value.error_class is ErrorClass.CONNECTION
+    message = info.value.message
+    assert message.startswith("BackendPool.pause failed on 2 of 2: server 0")
+    assert "http://a:1 is unreachable" in message and "http://b:1 is unreachable" in message
+
+
+@pytest.mark.anyio
+async def test_weight_version_is_what_most_servers_report_and_a_disagreement_is_logged(caplog):
+    versions = ["v1", "v2", "v2"]
+    pool = BackendPool([DeterministicBackend(weight_version=v) for v in versions])
+    assert await pool.weight_version() == "v2"
+    [warning] = [r.getMessage() for r in caplog.records if "disagree" in r.getMessage()]
+    assert "'v1'" in warning and warning.count("'v2'") == 3  # each server's, then the one used
+
+
+@pytest.mark.anyio
+async def test_health_is_any_server_and_a_tied_version_is_the_first():
     class Down(DeterministicBackend):
         async def health(self) -> bool:
             return False

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import anyio
 import pytest
 
-from bridge.convert import Sample, sample_class, to_sample
+from bridge.convert import Sample, sample_class, settle, to_sample
 from bridge.service import RolloutService
 from bridge.settings import BridgeSettings, settings_from_args
 from bridge.slime import SERVICE_ATTRIBUTE, RolloutFnEvalOutput, RolloutFnTrainOutput, generate, generate_rollout
@@ -80,13 +80,14 @@ def test_the_stand_in_sample_has_slimes_fields_and_status_values():
 
 
 def test_a_trajectory_becomes_a_sample_with_masked_env_tokens(tokenizer):
-    sample = to_sample(finished_trajectory(), tokenizer, rollout_id=9)
+    sample = to_sample(finished_trajectory(), tokenizer)
     assert sample.tokens == [1, 2, 3, 10, 11, 20, 21, 12]
     assert sample.response_length == 5 == len(sample.loss_mask) == len(sample.rollout_log_probs)
     assert sample.loss_mask == [1, 1, 0, 0, 1]
     assert sample.rollout_log_probs == [-0.5, -0.25, 0.0, 0.0, -0.75]
     assert sample.status is Sample.Status.COMPLETED and not sample.remove_sample and sample.reward == 1.0
-    assert sample.weight_versions == ["v0", "v1"] and sample.rollout_id == 9
+    assert sample.weight_versions == ["v0", "v1"]
+    assert sample.rollout_id is None  # slime's: a trajectory's id (None: one of its own), never the step's
     assert sample.metadata["num_turns"] == 2 and sample.metadata["stop_reason"] == "env_done"
     assert sample.metadata["start_rollout_id"] == 7 and sample.non_generation_time == pytest.approx(0.5)
     assert sample.response == tokenizer.decode([10, 11, 20, 21, 12])
@@ -99,12 +100,20 @@ def test_failed_trajectories_are_removed_but_keep_their_place(tokenizer):
     given = Sample(group_index=3, index=1, prompt="q", metadata={"source": "dataset"})
     sample = to_sample(trajectory, tokenizer, into=given)
     assert sample is given and sample.status is Sample.Status.FAILED and sample.remove_sample
-    assert sample.reward == 0.0 and sample.metadata["source"] == "dataset"
+    assert sample.reward is None  # slime's own loop (the custom generate path) scores or skips it
+    assert settle(sample, trajectory).reward == 0.0 and sample.metadata["source"] == "dataset"  # the trainer's
     assert "server down" in sample.metadata["failure"]
 
 
 def test_truncated_trajectories_are_truncated_samples(tokenizer):
     assert to_sample(finished_trajectory(StopReason.TOKEN_BUDGET), tokenizer).status is Sample.Status.TRUNCATED
+
+
+def test_trajectories_aborted_for_staleness_do_not_train(tokenizer):
+    trajectory = finished_trajectory(StopReason.ABORTED)  # on_stale="finish", or the engine's shutdown
+    trajectory.reward = None
+    sample = settle(to_sample(trajectory, tokenizer), trajectory)
+    assert sample.status is Sample.Status.ABORTED and sample.remove_sample and sample.reward == 0.0
 
 
 # -- slime's rollout function contract -----------------------------------------------------------
@@ -164,6 +173,9 @@ def test_settings_read_slimes_args_and_the_turnstile_section():
     assert config.partial_rollout and config.mask_offpolicy and config.policy == "oldest"
     assert config.sampling.max_new_tokens == 512 and config.sampling.temperature == 0.8
     assert config.limits.max_tokens == 4096 and config.max_inflight == 48 * 8
+    # without turnstile.max_new_tokens a turn may use what is left of the whole response's budget
+    del args.turnstile["max_new_tokens"]
+    assert settings_from_args(args).engine_config((151645,)).sampling.max_new_tokens == 4096
     with pytest.raises(ValueError, match="no_such_setting"):
         settings_from_args(SimpleNamespace(turnstile={"no_such_setting": 1}))
 

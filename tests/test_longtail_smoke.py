@@ -208,7 +208,7 @@ def _episode(workload: Workload, row: dict, first: str) -> list:
 
 
 def test_the_env_is_the_same_for_the_same_first_response():
-    workload = Workload("t", env_median_s=0.0, failure_rate=0.0)
+    workload = Workload("t", env_median_s=0.0, failure_rate=0.0, reward_source="env")
     row = workload.rows(1, start=3)[0]
     episode = _episode(workload, row, "first answer")
     assert episode == _episode(workload, row, "first answer")
@@ -216,6 +216,19 @@ def test_the_env_is_the_same_for_the_same_first_response():
     assert all(obs["obs_str"] for obs, done, _ in episode if not done)
     rewards = {_episode(workload, row, f"sample {k}")[-1][2]["reward"] for k in range(40)}
     assert rewards == {0.0, 1.0}  # the samples of one prompt differ
+
+
+def test_with_a_reward_function_the_env_reports_none_and_the_function_gives_the_envs_value():
+    by_env = Workload("t", env_median_s=0.0, failure_rate=0.0, reward_source="env")
+    by_rm = Workload("t", env_median_s=0.0, failure_rate=0.0)  # the default: a reward function
+    row = by_env.rows(1, start=3)[0]
+    for k in range(40):
+        first = f"sample {k}"
+        episode = _episode(by_rm, row, first)
+        assert episode[-1][1] and "reward" not in episode[-1][2]
+        assert by_rm.reward(row["metadata"], first) == _episode(by_env, row, first)[-1][2]["reward"]
+    with pytest.raises(ValueError, match="reward_source"):
+        Workload("t", env_median_s=0.0, reward_source="judge")
 
 
 def test_env_failures_are_deterministic_and_some_are_retryable():
@@ -248,6 +261,7 @@ async def test_longtail_smoke(tmp_path):
     saved = json.loads((tmp_path / "report.json").read_text())
     assert set(saved["policies"]) == set(POLICIES)
     assert set(saved["workloads"]) == {"env_1ms", "env_30ms"}
+    assert {w["reward_source"] for w in saved["workloads"].values()} == {"rm"}
     for workload in saved["workloads"].values():
         for name, metrics in workload["policies"].items():
             for key in REPORT_KEYS:
@@ -259,6 +273,11 @@ async def test_longtail_smoke(tmp_path):
             assert 0 < metrics["step_seconds_p50"] <= metrics["step_seconds_p99"]
             assert 0 < metrics["mean_batch_size"] <= size.server.max_running
             assert statistics.fsum(metrics["staleness_histogram"].values()) == metrics["trained_tokens"]
+            # the reward function scored every trajectory that trained (slime_style: every one not aborted)
+            assert metrics["reward_calls"] >= metrics["num_trajectories"] - metrics["statuses"].get("failed", 0)
+            assert metrics["reward_seconds_per_call"] >= size.reward_latency_s * 0.9, (name, metrics)
+            assert 0.0 <= metrics["reward_tail_fraction"] <= 1.0, (name, metrics)
+            assert 0.0 <= metrics["reward_group_wait_seconds_mean"] <= metrics["step_seconds_p99"]
     # without partial rollout a policy's work is the same whatever the env's latency
     for policy in ("slime_style", "turn"):
         trained = {w: saved["workloads"][w]["policies"][policy]["trained_tokens"] for w in saved["workloads"]}

@@ -57,6 +57,9 @@ async def test_the_recorder_agrees_with_the_run(encoder):
     assert sum(recorder.drift_checks.values()) == 6  # every second finished trajectory
 
 
+PAUSE_S = 1.5  # longer than any wait for a slot after the resume, on a loaded 2-core machine too
+
+
 @pytest.mark.anyio
 async def test_queue_time_does_not_count_a_pause(encoder):
     recorder = MetricsRecorder()
@@ -68,14 +71,14 @@ async def test_queue_time_does_not_count_a_pause(encoder):
         await engine.rollout(1)
         await engine.wait_until_parked()
         parked = [t for g in engine.open_groups for t in g.trajectories if t.status is Status.PAUSED]
-        await anyio.sleep(0.3)  # a pause of known length (the weight update)
+        await anyio.sleep(PAUSE_S)  # a pause of known length (the weight update)
         await engine.resume("v1")
         groups = [g async for g in engine.stream()]
     resumed = {(t.group_id, t.index) for t in parked}
     waits = [
         turn.queue_seconds for t in all_trajectories(groups) if (t.group_id, t.index) in resumed for turn in t.turns
     ]
-    assert waits and max(waits) < 0.3
+    assert waits and max(waits) < PAUSE_S
 
 
 @pytest.mark.anyio
@@ -109,6 +112,7 @@ async def test_the_exporter_serves_bounded_series_that_agree_with_the_run(encode
         "stage",
         "reason",
         "result",
+        "turn",
     }
 
     def value(family: str, sample: str | None = None, **labels) -> float:
@@ -131,6 +135,7 @@ async def test_the_exporter_serves_bounded_series_that_agree_with_the_run(encode
         "waiting_for_env",
         "in_env",
         "paused",
+        "scoring",
     }
     assert value("turnstile_slots_total", limiter="generation") == 8
 

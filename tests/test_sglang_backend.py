@@ -1,8 +1,10 @@
-"""SGLangBackend against a local server that answers in SGLang's shape (tests/sglang_double.py)."""
+"""SGLangBackend against a local server that answers in SGLang's shape (tests/sglang_double.py); the same
+backend behind a real sglang-router is tests/test_sglang_router.py."""
 
 from __future__ import annotations
 
 import anyio
+import httpx
 import pytest
 
 from engine.backends.base import Backend, SamplingParams
@@ -35,6 +37,11 @@ async def wait_held(server: SGLangDouble, count: int) -> None:
     assert await anyio.to_thread.run_sync(server.wait_held, count), f"{count} requests were never held"
 
 
+def sent(server: SGLangDouble) -> list[tuple[str, str, object]]:
+    """What reached the server, without the GET /workers that told it from a router."""
+    return [(r.method, r.path, r.body) for r in server.requests if r.path != "/workers"]
+
+
 # -- the request ---------------------------------------------------------------------------------
 
 
@@ -49,19 +56,15 @@ async def test_generate_sends_sglang_request_body(server, backend):
     first, second = (r.body for r in server.requests_to("/generate"))
     assert first == {
         "input_ids": [1, 2, 3],
-        "sampling_params": {
-            "max_new_tokens": 64,
-            "temperature": 0.7,
-            "top_p": 0.9,
-            "top_k": 20,
-            "skip_special_tokens": True,
-            "stop_token_ids": [151645],
-            "stop": ["</tool>"],
-        },
+        "sampling_params": params.to_sglang(),
         "return_logprob": True,
         "image_data": ["data:image/png;base64,iVBORw0KGgo="],
-        "rid": "traj-7-turn-2",
+        "rid": f"{backend.rid_prefix}0-traj-7-turn-2",
     }
+    assert first["sampling_params"].items() >= {
+        "max_new_tokens": 64, "temperature": 0.7, "top_p": 0.9, "top_k": 20, "skip_special_tokens": True,
+        "stop_token_ids": [151645], "stop": ["</tool>"],
+    }.items()  # fmt: skip
     assert second == {
         "input_ids": [4, 5],
         "sampling_params": {
@@ -73,8 +76,16 @@ async def test_generate_sends_sglang_request_body(server, backend):
             "ignore_eos": True,
         },
         "return_logprob": True,
+        "rid": f"{backend.rid_prefix}1-",
     }
     assert all(r.method == "POST" for r in server.requests_to("/generate"))
+
+
+def test_each_backend_has_its_own_rid_prefix():
+    first, second = SGLangBackend("http://127.0.0.1:1"), SGLangBackend("http://127.0.0.1:1")
+    assert first.rid_prefix.startswith("turnstile-") and first.rid_prefix.endswith("-")
+    assert len(first.rid_prefix) == len("turnstile-12345678-")
+    assert first.rid_prefix != second.rid_prefix
 
 
 @pytest.mark.anyio
@@ -99,10 +110,19 @@ async def test_image_pads_go_one_per_image_and_must_expand_to_the_encoders_count
 
 @pytest.mark.anyio
 async def test_headers_go_with_every_request(server):
-    async with SGLangBackend(server.url, headers={"X-SMG-Routing-Key": "session-3"}) as backend:
+    async with SGLangBackend(server.url, headers={"Authorization": "Bearer k"}) as backend:
         await backend.generate([1], PARAMS)
-        await backend.abort("x")
-    assert [r.headers.get("x-smg-routing-key") for r in server.requests] == ["session-3", "session-3"]
+        await backend.weight_version()
+    assert [r.path for r in server.requests] == ["/workers", "/generate", "/model_info"]
+    assert [r.headers.get("authorization") for r in server.requests] == ["Bearer k"] * 3
+
+
+@pytest.mark.anyio
+async def test_session_id_goes_as_the_routing_key_header(server, backend):
+    await backend.generate([1], PARAMS, session_id="traj-3")
+    await backend.generate([1], PARAMS)
+    keys = [r.headers.get("x-smg-routing-key") for r in server.requests_to("/generate")]
+    assert keys == ["traj-3", None]
 
 
 def test_backend_satisfies_the_protocol():
@@ -132,7 +152,7 @@ async def test_generate_parses_tokens_logprobs_text_and_counts(server, backend):
     assert result.weight_version == "step-12"
     assert result.prompt_tokens == 5
     assert result.cached_tokens == 3
-    assert result.meta["id"] == "r-1"
+    assert result.meta["id"] == f"{backend.rid_prefix}0-r-1"  # the request id the server saw
     assert result.meta["finish_reason"] == {"type": "stop", "matched": 151645}
     assert result.meta["completion_tokens"] == 3
     assert "e2e_latency" in result.meta
@@ -280,12 +300,69 @@ async def test_non_200_error_body_mentioning_abort_stays_an_error(server, backen
 @pytest.mark.anyio
 async def test_server_down_is_connection_error_naming_the_url():
     url = closed_port_url()
-    async with SGLangBackend(url, connect_timeout=2) as backend:
+    backend = SGLangBackend(url, connect_timeout=2)  # not entered: generate needs nothing found out first
+    try:
         with pytest.raises(BackendError) as info:
             await backend.generate([1], PARAMS)
+    finally:
+        await backend.aclose()
     assert info.value.error_class is ErrorClass.CONNECTION
     assert info.value.retryable
     assert info.value.message.startswith(f"SGLang server at {url} is unreachable: POST /generate")
+
+
+@pytest.mark.anyio
+async def test_entering_an_unreachable_url_is_one_error_saying_what_was_tried():
+    url = closed_port_url()
+    backend = SGLangBackend(url, connect_timeout=2)
+    with pytest.raises(BackendError) as info:
+        await backend.__aenter__()
+    assert info.value.error_class is ErrorClass.CONNECTION
+    message = info.value.message
+    assert message.startswith(f"SGLang server at {url} is unreachable: GET /workers: ConnectError")
+    assert message.endswith("(asked to tell an SGLang server from an sglang-router)")
+    with pytest.raises(RuntimeError):  # the failed enter closed it
+        await backend.generate([1], PARAMS)
+
+
+@pytest.mark.anyio
+async def test_a_single_server_is_found_out_once(server):
+    async with SGLangBackend(server.url) as backend:
+        assert backend.is_router is False
+        await backend.pause()
+        await backend.weight_version()
+    assert [r.path for r in server.requests] == ["/workers", "/pause_generation", "/model_info"]
+    assert server.requests_to("/workers")[0].method == "GET"
+
+
+@pytest.mark.anyio
+async def test_control_calls_find_out_lazily_without_entering(server):
+    backend = SGLangBackend(server.url)
+    try:
+        assert backend.is_router is None
+        assert await backend.weight_version() == "default"
+        assert backend.is_router is False
+    finally:
+        await backend.aclose()
+    assert [r.path for r in server.requests] == ["/workers", "/model_info"]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("reply", "error_class", "expected"),
+    [
+        (Raw(200, {"workers": [{"no": "url"}]}), ErrorClass.MALFORMED, "not an sglang-router's worker list"),
+        (Raw(200, {"workers": []}), ErrorClass.CONNECTION, "lists no workers"),
+        (Raw(500, "boom", "text/plain"), ErrorClass.SERVER, "GET /workers: HTTP 500"),
+    ],
+)
+async def test_a_url_that_is_neither_server_nor_router_with_workers_is_one_error(server, reply, error_class, expected):
+    server.reply_next("/workers", reply)
+    backend = SGLangBackend(server.url)
+    with pytest.raises(BackendError) as info:
+        await backend.__aenter__()
+    assert info.value.error_class is error_class
+    assert server.url in info.value.message and expected in info.value.message
 
 
 @pytest.mark.anyio
@@ -313,11 +390,11 @@ async def test_request_timeout_is_timeout_error(server):
 
 @pytest.mark.anyio
 async def test_control_endpoint_errors_are_classified(server, backend):
-    server.reply_next("/abort_request", Raw(500, error_body(500, "scheduler is gone")))
+    server.reply_next("/pause_generation", Raw(500, error_body(500, "scheduler is gone")))
     with pytest.raises(BackendError) as info:
-        await backend.abort("r-1")
+        await backend.pause()
     assert info.value.error_class is ErrorClass.SERVER
-    assert "POST /abort_request" in info.value.message and "scheduler is gone" in info.value.message
+    assert "POST /pause_generation" in info.value.message and "scheduler is gone" in info.value.message
 
     server.reply_next("/continue_generation", Raw(400, error_body(400, "Field required")))
     with pytest.raises(BackendError) as info:
@@ -356,7 +433,43 @@ async def test_abort_one_held_request_returns_its_partial_tokens(server, backend
     a, b = results["traj-a"], results["traj-b"]
     assert (a.finish_reason, a.token_ids, len(a.logprobs)) == ("abort", [11, 12, 13], 3)
     assert (b.finish_reason, b.token_ids) == ("abort", [21])
-    assert [r.body for r in server.requests_to("/abort_request")] == [{"rid": "traj-a"}, {"rid": "traj-b"}]
+    prefix = backend.rid_prefix
+    assert [r.body for r in server.requests_to("/abort_request")] == [
+        {"rid": f"{prefix}0-traj-a"}, {"rid": f"{prefix}1-traj-b"},
+    ]  # fmt: skip
+
+
+@pytest.mark.anyio
+async def test_abort_of_a_rid_leaves_a_rid_it_is_a_prefix_of(server, backend):
+    """SGLang aborts every rid that starts with a known one: the ids sent are never prefixes of each other."""
+    server.script(Generate(hold=True), Generate(hold=True))
+    results = {}
+    first_done = anyio.Event()
+
+    async def run(rid: str) -> None:
+        results[rid] = await backend.generate([1], PARAMS, rid=rid)
+        if rid == "traj-1":
+            first_done.set()
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run, "traj-1")
+            await wait_held(server, 1)
+            tg.start_soon(run, "traj-10")
+            await wait_held(server, 2)
+            await backend.abort("traj-1")
+            await first_done.wait()
+            assert server.held_rids == [f"{backend.rid_prefix}1-traj-10"]
+            await backend.abort("traj-10")
+    assert results["traj-10"].finish_reason == "abort"
+
+
+@pytest.mark.anyio
+async def test_abort_with_nothing_in_flight_sends_nothing(server, backend):
+    await backend.generate([1], PARAMS, rid="done")
+    await backend.abort("done")
+    await backend.abort()
+    assert server.requests_to("/abort_request") == []
 
 
 @pytest.mark.anyio
@@ -376,7 +489,38 @@ async def test_abort_all_aborts_every_held_request(server, backend):
 
     assert [r.finish_reason for r in results] == ["abort"] * 3
     assert sorted(r.token_ids for r in results) == [[0, 1], [10, 11], [20, 21]]
-    assert [r.body for r in server.requests_to("/abort_request")] == [{"abort_all": True}]
+    aborted = sorted(r.body["rid"] for r in server.requests_to("/abort_request"))
+    assert aborted == [f"{backend.rid_prefix}{n}-traj-{i}" for n, i in enumerate(range(3))]
+
+
+@pytest.mark.anyio
+async def test_abort_all_leaves_other_clients_requests_alone(server, backend):
+    server.script(Generate(hold=True), Generate(token_ids=[7], hold=True))
+    ours, ours_done = [], anyio.Event()
+    body = {"input_ids": [1], "sampling_params": {"max_new_tokens": 4}, "return_logprob": True, "rid": "other-1"}
+
+    async def foreign() -> None:
+        async with httpx.AsyncClient(trust_env=False) as client:
+            theirs.append((await client.post(f"{server.url}/generate", json=body)).json())
+
+    async def run() -> None:
+        ours.append(await backend.generate([1], PARAMS))
+        ours_done.set()
+
+    theirs = []
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(foreign)
+            await wait_held(server, 1)
+            tg.start_soon(run)
+            await wait_held(server, 2)
+            await backend.abort()
+            await ours_done.wait()
+            assert server.held_rids == ["other-1"]  # the other client's request is still running
+            server.release_all()
+    assert ours[0].finish_reason == "abort"
+    assert [r.body for r in server.requests_to("/abort_request")] == [{"rid": f"{backend.rid_prefix}0-"}]
+    assert not any(r.body.get("abort_all") for r in server.requests_to("/abort_request"))
 
 
 @pytest.mark.anyio
@@ -388,15 +532,14 @@ async def test_pause_and_resume_send_sglang_bodies(server, backend):
     await backend.resume()
     assert server.paused_mode is None
 
-    sent = [(r.path, r.body) for r in server.requests]
-    assert sent == [
-        ("/pause_generation", {"mode": "in_place"}),
-        ("/pause_generation", {"mode": "retract"}),
-        ("/continue_generation", {}),
+    assert sent(server) == [
+        ("POST", "/pause_generation", {"mode": "in_place"}),
+        ("POST", "/pause_generation", {"mode": "retract"}),
+        ("POST", "/continue_generation", {}),
     ]
     with pytest.raises(ValueError, match="pause mode"):
         await backend.pause("drain")
-    assert len(server.requests) == 3
+    assert len(sent(server)) == 3
 
 
 @pytest.mark.anyio
@@ -425,7 +568,7 @@ async def test_weight_version(server, backend):
     assert await backend.weight_version() == "step-7"
     server.weight_version = None
     assert await backend.weight_version() is None
-    assert [(r.method, r.path) for r in server.requests] == [("GET", "/model_info")] * 2
+    assert sent(server) == [("GET", "/model_info", None)] * 2
 
     server.reply_next("/model_info", Raw(200, {"version": 3}))
     with pytest.raises(BackendError) as info:
@@ -441,13 +584,16 @@ async def test_health(server, backend):
     assert await backend.health() is False
     server.reply_next("/health", Raw(500, "boom", "text/plain"))
     assert await backend.health() is False
-    assert [(r.method, r.path) for r in server.requests] == [("GET", "/health")] * 3
+    assert sent(server) == [("GET", "/health", None)] * 3
 
 
 @pytest.mark.anyio
 async def test_health_of_unreachable_server_is_false():
-    async with SGLangBackend(closed_port_url()) as backend:
+    backend = SGLangBackend(closed_port_url())
+    try:
         assert await backend.health() is False
+    finally:
+        await backend.aclose()
 
 
 @pytest.mark.anyio
@@ -483,9 +629,12 @@ async def test_wait_until_healthy_fails_at_the_deadline(server, backend):
 @pytest.mark.anyio
 async def test_wait_until_healthy_fails_for_unreachable_server():
     url = closed_port_url()
-    async with SGLangBackend(url) as backend:
+    backend = SGLangBackend(url)
+    try:
         with anyio.fail_after(10), pytest.raises(BackendError) as info:
             await backend.wait_until_healthy(timeout=0.2, poll_interval=0.02)
+    finally:
+        await backend.aclose()
     assert info.value.error_class is ErrorClass.CONNECTION
     assert url in info.value.message and "never reachable" in info.value.message
 

@@ -9,7 +9,6 @@ these tests skip saying so, or fail when TURNSTILE_REQUIRE_SGLANG=1 (as in CI).
 
 from __future__ import annotations
 
-import os
 import re
 from types import SimpleNamespace
 
@@ -21,7 +20,7 @@ from bridge.convert import Sample
 from bridge.slime import SERVICE_ATTRIBUTE, generate, generate_rollout
 from engine.envs.arith import make_prompts
 from tests.envs.gated import GATE
-from tests.sglang_cpu.server import SGLangServer, SGLangUnavailable, is_installed, model_dir, venv_dir
+from tests.sglang_cpu.server import SGLangServer
 
 pytestmark = pytest.mark.sglang
 
@@ -31,17 +30,9 @@ ATTEMPT = re.compile(r"\[attempt (\d+)\]")
 
 
 @pytest.fixture(scope="module")
-def server():
-    if not is_installed():
-        reason = f"no SGLang venv at {venv_dir()}: run `python -m tests.sglang_cpu.server install`"
-        if os.environ.get("TURNSTILE_REQUIRE_SGLANG") == "1":
-            pytest.fail(reason)
-        pytest.skip(reason)
-    try:
-        with SGLangServer(model_dir("tiny-qwen2.5-vl")) as running:
-            yield running
-    except SGLangUnavailable as error:
-        pytest.fail(str(error))
+def server(sglang_workers):
+    """One of the session's SGLang servers, talked to directly (the router tier shares it)."""
+    return sglang_workers[0]
 
 
 class VisionDataSource:
@@ -84,7 +75,7 @@ def slime_args(server: SGLangServer, **extra) -> SimpleNamespace:
         n_samples_per_prompt=N_SAMPLES, rollout_batch_size=TARGET, over_sampling_batch_size=2 * TARGET,
         partial_rollout=True, max_turns=4, rollout_interaction_env_path="tests.envs.flaky_vision",
         hf_checkpoint=str(server.model_path), sglang_router_ip=host, sglang_router_port=int(port),
-        rollout_max_response_len=256,
+        rollout_max_response_len=256, custom_rm_path="tests.hooks.length_rm",  # where the env gives no reward
         turnstile={"max_new_tokens": 24, "max_staleness": STEPS},  # a held group resumes at any later step
         **extra,
     )  # fmt: skip

@@ -4,8 +4,9 @@ SGLang's HTTP API is the reference (`/generate`, `/abort_request`, `/pause_gener
 `/continue_generation`, `/model_info`, `/health`); the local backend gives the same
 semantics in process. Failures are raised as `engine.errors.BackendError`, classified.
 
-    async with SGLangBackend("http://127.0.0.1:30000") as backend:
-        result = await backend.generate(prompt_ids, SamplingParams(max_new_tokens=256, stop_token_ids=(151645,)))
+    async with SGLangBackend("http://127.0.0.1:30000") as backend:   # an SGLang server or an sglang-router
+        params = SamplingParams(max_new_tokens=256, stop_token_ids=(151645,))
+        result = await backend.generate(prompt_ids, params, session_id=trajectory_id)
         result.token_ids, result.logprobs, result.finish_reason   # finish_reason: stop | length | abort
 """
 
@@ -30,6 +31,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     skip_special_tokens: bool = True
     ignore_eos: bool = False  # keep generating past the tokenizer's EOS (benchmarks)
+    sampling_seed: int | None = None  # SGLang's per-request seed (honoured with deterministic inference)
+    min_new_tokens: int = 0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -51,7 +55,19 @@ class SamplingParams:
             params["stop_token_ids"] = list(self.stop_token_ids)
         if self.stop:
             params["stop"] = list(self.stop)
+            params["no_stop_trim"] = True  # keep a matched stop string in the reply: it is the model's text
+        if self.sampling_seed is not None:
+            params["sampling_seed"] = self.sampling_seed
+        if self.min_new_tokens:
+            params["min_new_tokens"] = self.min_new_tokens
+        if self.repetition_penalty != 1.0:
+            params["repetition_penalty"] = self.repetition_penalty
         return params
+
+    def unsupported_locally(self) -> list[str]:
+        """The settings an in-process backend cannot honour (they need an SGLang server)."""
+        defaults = {"sampling_seed": None, "min_new_tokens": 0, "repetition_penalty": 1.0}
+        return [f"{name}={getattr(self, name)!r}" for name, value in defaults.items() if getattr(self, name) != value]
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,13 +93,17 @@ class Backend(Protocol):
         image_data: Sequence[str] | None = None,
         *,
         rid: str | None = None,
+        session_id: str | None = None,
     ) -> GenerateResult:
-        """Generate from `input_ids` (images, if any, in `image_data`). `rid` names the request for abort."""
+        """Generate from `input_ids` (images, if any, in `image_data`). `rid` names the request for abort.
+        `session_id` names the conversation (a trajectory): a backend over several servers sends its turns
+        to one server while it is healthy, so they reuse its prefix cache; one server ignores it."""
         ...
 
     async def abort(self, rid: str | None = None) -> None:
-        """Abort one request, or every request when `rid` is None. Aborted requests return what they
-        generated so far with finish_reason `abort`."""
+        """Abort this backend's request `rid`, or every request of this backend when `rid` is None (never
+        other clients' requests on a shared server). Aborted requests return what they generated so far with
+        finish_reason `abort`."""
         ...
 
     async def pause(self) -> None:

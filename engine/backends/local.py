@@ -146,8 +146,11 @@ class LocalBackend:
 
     async def generate(
         self, input_ids: Sequence[int], sampling_params: SamplingParams, image_data: Sequence[str] | None = None,
-        *, rid: str | None = None,
+        *, rid: str | None = None, session_id: str | None = None,
     ) -> GenerateResult:  # fmt: skip
+        """One model serves every request, so `session_id` changes nothing."""
+        if refused := sampling_params.unsupported_locally():
+            raise BackendError(ErrorClass.CLIENT, f"the local backend cannot honour {', '.join(refused)}")
         ids = [int(t) for t in input_ids]
         if not ids or min(ids) < 0 or max(ids) >= self._model.config.get_text_config().vocab_size:
             raise BackendError(ErrorClass.CLIENT, f"input_ids must be non-empty vocabulary ids ({len(ids)} given)")

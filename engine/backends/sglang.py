@@ -1,109 +1,70 @@
-"""The `Backend` protocol as an HTTP client of a running SGLang server (its native API, 0.5.x).
+"""The `Backend` protocol as an HTTP client of SGLang's native API (0.5.x): one SGLang server, or an
+sglang-router (PyPI `sglang-router`, 0.3.2) in front of several, as slime runs them.
 
-Every failure is raised as a classified `BackendError` whose message names the server, the endpoint
-and, where the server answered, an excerpt of its reply: refused / reset / closed without an answer is
-CONNECTION, no answer in time TIMEOUT, HTTP 5xx SERVER, HTTP 4xx CLIENT, and a reply that is not JSON
-or not in SGLang's shape MALFORMED.
+Which of the two a URL is, is found on first use (`async with`, or the first control call): a router answers
+`GET /workers` with its workers, a server answers 404 (engine/backends/workers.py). Through a router,
+`/generate` goes to the router, so its policy applies; control calls (abort, pause, resume, weight version,
+weight updates, health) go to each worker directly, as the router does not serve them (404), and the worker
+list is read again for each call, so workers added later are reached. Errors are classified `BackendError`s
+naming the server, the endpoint and an excerpt of the reply (engine/backends/transport.py).
 
-An aborted request (`/abort_request`, or `/pause_generation` in mode "abort") is not an error: SGLang
-answers it with HTTP 200 and what was generated so far, finish type "abort". SGLang matches `rid` as a
-prefix when aborting, so request ids should not be prefixes of one another (uuids are safe).
+An aborted request (`/abort_request`, or `/pause_generation` in mode "abort") is not an error: SGLang answers
+it with HTTP 200 and what was generated so far, finish type "abort".
+
+Aborts touch this backend's requests only. Every request id sent is `<rid_prefix><serial>-<rid>`, with a
+prefix unique to the backend (`turnstile-<8 hex>-`) and a serial that makes no id a prefix of another.
+SGLang 0.5.23 (`TokenizerManager.abort_request`, managers/tokenizer_manager.py) looks the rid up exactly and,
+with one tokenizer worker (the default), drops an unknown one; only a known rid reaches the scheduler, which
+then aborts every request whose rid starts with it (`Scheduler.abort_request`). So a prefix alone aborts
+nothing, and `abort(None)` posts each of this backend's request ids in flight to each worker (a worker that
+does not hold one ignores it) instead of `abort_all`, which would abort other clients' requests too.
+
+`session_id` goes as the header `X-SMG-Routing-Key`, as slime sends it, so a trajectory's turns reach one
+worker and reuse its prefix cache. Of sglang-router 0.3.2's policies two route by it (tests/test_sglang_router.py
+checks both): `consistent_hashing`, a hash ring over the workers (a key moves only when its worker leaves or
+turns unhealthy), and `manual`, a table of key to worker (a key stays while its worker is healthy). `random`,
+`round_robin` and `power_of_two` spread one key's requests over the workers; `cache_aware` routes by prompt
+prefix, not by the key. 0.3.2's `--policy` choices omit `consistent_hashing`: it is set through RouterArgs, as
+slime does (tests/router.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import itertools
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
+from typing import Any, TypeVar
 
 import anyio
 import httpx
 
 from engine.backends.base import GenerateResult, SamplingParams
+from engine.backends.fanout import agreed_version, combined_error, gather, log_failures
+from engine.backends.sglang_format import collapse_image_pads, parse_generate_reply
+from engine.backends.transport import HTTPServer
+from engine.backends.workers import list_workers
 from engine.errors import BackendError, ErrorClass
 
-FINISH_TYPES = ("stop", "length", "abort")
 PAUSE_MODES = ("abort", "retract", "in_place")
+ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
 # SGLang's /health runs a one-token generation and waits up to 20 s for it (SGLANG_HEALTH_CHECK_TIMEOUT).
 HEALTH_TIMEOUT_S = 30.0
-EXCERPT_CHARS = 300
-
-
-def _excerpt(text: str) -> str:
-    """At most `EXCERPT_CHARS` characters of a reply body, on one line."""
-    text = " ".join(text.split())
-    return text if len(text) <= EXCERPT_CHARS else text[: EXCERPT_CHARS - 3] + "..."
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def parse_generate_reply(body: Any) -> GenerateResult:
-    """Turn a `/generate` reply (with `return_logprob`) into a GenerateResult; ValueError names what is wrong.
-
-    Tokens and log-probs come from `meta_info.output_token_logprobs` (`[[logprob, token_id, text], ...]`).
-    A request aborted while still queued may come back without counts or log-probs: that is zero tokens.
-    """
-    if not isinstance(body, dict) or not isinstance(body.get("meta_info"), dict):
-        raise ValueError("the reply has no meta_info object")
-    meta = body["meta_info"]
-    finish = meta.get("finish_reason")
-    finish_type = finish.get("type") if isinstance(finish, dict) else None
-    if finish_type not in FINISH_TYPES:
-        raise ValueError(f"unknown finish_reason {finish!r}")
-    is_abort = finish_type == "abort"
-
-    entries = meta.get("output_token_logprobs", [] if is_abort else None)
-    if not isinstance(entries, list):
-        raise ValueError("meta_info.output_token_logprobs is missing (was return_logprob sent?)")
-    token_ids: list[int] = []
-    logprobs: list[float] = []
-    for entry in entries:
-        if not (isinstance(entry, list) and len(entry) >= 2 and _number(entry[0]) and type(entry[1]) is int):
-            raise ValueError(f"bad output_token_logprobs entry {entry!r}")
-        logprobs.append(float(entry[0]))
-        token_ids.append(entry[1])
-    output_ids = body.get("output_ids")
-    if output_ids is not None and (not isinstance(output_ids, list) or len(output_ids) != len(token_ids)):
-        count = len(output_ids) if isinstance(output_ids, list) else output_ids
-        raise ValueError(f"output_ids has {count} tokens but output_token_logprobs has {len(token_ids)}")
-
-    text = body.get("text", "" if is_abort else None)
-    if not isinstance(text, str):
-        raise ValueError("the reply has no text")
-    counts: dict[str, Any] = {}
-    for key in ("prompt_tokens", "cached_tokens"):
-        counts[key] = meta.get(key, 0 if is_abort else None)
-        if type(counts[key]) is not int:
-            raise ValueError(f"meta_info.{key} is missing or not an integer")
-    weight_version = meta.get("weight_version")
-    return GenerateResult(
-        token_ids=token_ids,
-        logprobs=logprobs,
-        text=text,
-        finish_reason=finish_type,
-        weight_version=None if weight_version is None else str(weight_version),
-        meta={key: value for key, value in meta.items() if not key.endswith("_logprobs")},
-        **counts,
-    )
-
-
-def collapse_image_pads(input_ids: list[int], image_token_id: int) -> list[int]:
-    """`input_ids` with every run of `image_token_id` cut to one token."""
-    return [t for i, t in enumerate(input_ids) if t != image_token_id or i == 0 or input_ids[i - 1] != image_token_id]
+T = TypeVar("T")
 
 
 class SGLangBackend:
-    """One SGLang server over HTTP, through one connection pool; see the module docstring.
+    """An SGLang server or an sglang-router over HTTP, through one connection pool; see the module docstring.
 
         async with SGLangBackend("http://10.0.0.5:30000", timeout=300) as backend:
             await backend.wait_until_healthy(timeout=120)
-            result = await backend.generate(prompt_ids, SamplingParams(max_new_tokens=512), rid=uuid4().hex)
+            result = await backend.generate(prompt_ids, SamplingParams(max_new_tokens=512), session_id=sid)
 
-    `timeout` bounds each wait on the server (for a pooled connection, a write, a read); SGLang sends a
+    `timeout` bounds each wait on a server (for a pooled connection, a write, a read); SGLang sends a
     non-streamed reply in one piece, so it bounds a whole generation. `connect_timeout` bounds the TCP
-    connect. `headers` go with every request (an API key, a router's routing key). Proxy settings from the
-    environment are ignored: the server is addressed directly.
+    connect. `headers` go with every request, to the router and its workers (an API key). Proxy settings from
+    the environment are ignored: servers are addressed directly. `rid_prefix` starts every request id sent;
+    `is_router` is None until found out.
     """
 
     def __init__(
@@ -118,16 +79,27 @@ class SGLangBackend:
     ):
         self.url = url.rstrip("/")
         self.image_token_id = image_token_id
+        self.rid_prefix = f"turnstile-{uuid.uuid4().hex[:8]}-"
+        self.is_router: bool | None = None
         self._client = httpx.AsyncClient(
-            base_url=self.url,
             timeout=httpx.Timeout(timeout, connect=connect_timeout),
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
             headers=headers,
             trust_env=False,
         )
         self._health_timeout = httpx.Timeout(min(timeout, HEALTH_TIMEOUT_S), connect=connect_timeout)
+        self._server = HTTPServer(self._client, self.url, f"SGLang server at {self.url}")
+        self._workers: dict[str, HTTPServer] = {}
+        self._serial = itertools.count()
+        self._running: dict[str, str | None] = {}  # request id sent -> the caller's rid
 
     async def __aenter__(self) -> SGLangBackend:
+        """Find out whether the URL is a server or a router (with workers); BackendError, closed, if neither."""
+        try:
+            await self._control_servers()
+        except BaseException:
+            await self.aclose()
+            raise
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -140,46 +112,36 @@ class SGLangBackend:
     def __repr__(self) -> str:
         return f"SGLangBackend({self.url!r})"
 
-    # -- transport -------------------------------------------------------------------------------
+    # -- where control calls go ------------------------------------------------------------------
 
-    def _error(self, error_class: ErrorClass, where: str, detail: str, body: str | None = None) -> BackendError:
-        message = f"SGLang server at {self.url}: {where}: {detail}"
-        if body is not None:
-            message += f"; reply: {_excerpt(body) or '(empty)'}"
-        return BackendError(error_class, message)
+    async def _control_servers(self) -> list[HTTPServer]:
+        """The server itself, or each worker the router lists now."""
+        if self.is_router is False:
+            return [self._server]
+        urls = await list_workers(self._server)
+        self.is_router = urls is not None
+        if urls is None:
+            return [self._server]
+        self._server.name = f"sglang-router at {self.url}"
+        for url in urls:
+            if url not in self._workers:
+                name = f"SGLang server at {url} (a worker of sglang-router at {self.url})"
+                self._workers[url] = HTTPServer(self._client, url, name)
+        return [self._workers[url] for url in urls]
 
-    async def _send(self, method: str, endpoint: str, body: dict[str, Any] | None = None, **kw: Any) -> httpx.Response:
-        """Send one request; a failure to get a reply at all raises TIMEOUT, CONNECTION, CLIENT or MALFORMED."""
-        where = f"{method} {endpoint}"
-        try:
-            return await self._client.request(method, endpoint, json=body, **kw)
-        except httpx.TimeoutException as exc:
-            raise self._error(ErrorClass.TIMEOUT, where, f"no reply in time ({type(exc).__name__})") from exc
-        except (httpx.UnsupportedProtocol, httpx.LocalProtocolError) as exc:
-            raise self._error(ErrorClass.CLIENT, where, f"cannot send the request: {exc!r}") from exc
-        except httpx.DecodingError as exc:
-            raise self._error(ErrorClass.MALFORMED, where, f"the reply could not be decoded: {exc!r}") from exc
-        except httpx.RequestError as exc:
-            detail = f"{type(exc).__name__}: {exc}" if str(exc) else f"{type(exc).__name__} (connection closed)"
-            message = f"SGLang server at {self.url} is unreachable: {where}: {detail}"
-            raise BackendError(ErrorClass.CONNECTION, message) from exc
-
-    def _status_error(self, where: str, response: httpx.Response) -> BackendError:
-        error_class = ErrorClass.SERVER if response.status_code >= 500 else ErrorClass.CLIENT
-        return self._error(error_class, where, f"HTTP {response.status_code}", response.text)
-
-    def _json(self, where: str, response: httpx.Response) -> Any:
-        try:
-            return response.json()
-        except ValueError as exc:
-            raise self._error(ErrorClass.MALFORMED, where, "the reply is not JSON", response.text) from exc
-
-    async def _call(self, method: str, endpoint: str, body: dict[str, Any] | None = None) -> httpx.Response:
-        """Send one request and raise on any non-2xx status."""
-        response = await self._send(method, endpoint, body)
-        if not response.is_success:
-            raise self._status_error(f"{method} {endpoint}", response)
-        return response
+    async def _each(
+        self, what: str, call: Callable[[HTTPServer], Awaitable[T]], *, strict: bool = False
+    ) -> dict[str, T]:
+        """`call` on the server, or on every worker at once; results by URL. A worker that fails is logged; one
+        BackendError, naming each failure, is raised when all failed (any, with `strict`)."""
+        servers = await self._control_servers()
+        results, failures = await gather({s.url: partial(call, s) for s in servers})
+        if failures and len(servers) == 1:
+            raise next(iter(failures.values()))
+        log_failures(what, failures)
+        if failures and (strict or not results):
+            raise combined_error(f"{what} on the workers of sglang-router at {self.url}", failures, len(servers))
+        return results
 
     # -- the protocol ----------------------------------------------------------------------------
 
@@ -190,8 +152,10 @@ class SGLangBackend:
         image_data: Sequence[str] | None = None,
         *,
         rid: str | None = None,
+        session_id: str | None = None,
     ) -> GenerateResult:
-        """POST /generate with `input_ids` (and `image_data`, `rid` when given), log-probs on.
+        """POST /generate with `input_ids` (and `image_data` when given), log-probs on, under a request id of this
+        backend's (see the module docstring) and, with `session_id`, the routing key header.
 
         With images, SGLang expands each image's placeholder itself and takes one image pad per image
         (0.5.23 never answers a request whose pads are already expanded). Given `image_token_id`, each
@@ -201,74 +165,100 @@ class SGLangBackend:
         sent = list(input_ids)
         if image_data and self.image_token_id is not None:
             sent = collapse_image_pads(sent, self.image_token_id)
+        sent_rid = f"{self.rid_prefix}{next(self._serial)}-{rid or ''}"
         body: dict[str, Any] = {
             "input_ids": sent,
             "sampling_params": sampling_params.to_sglang(),
             "return_logprob": True,
+            "rid": sent_rid,
         }
         if image_data is not None:
             body["image_data"] = list(image_data)
-        if rid is not None:
-            body["rid"] = rid
+        headers = None if session_id is None else {ROUTING_KEY_HEADER: session_id}
         where = "POST /generate"
-        response = await self._send("POST", "/generate", body)
+        self._running[sent_rid] = rid
+        try:
+            response = await self._server.send("POST", "/generate", body, headers=headers)
+        finally:
+            del self._running[sent_rid]
         if not response.is_success:
             # Only a reply that is itself a generate reply ending in abort is an abort; anything else
             # (SGLang's {"object": "error", ...} bodies included) is the error its status says.
             try:
                 result = parse_generate_reply(response.json())
             except ValueError:
-                raise self._status_error(where, response) from None
+                raise self._server.status_error(where, response) from None
             if result.finish_reason != "abort":
-                raise self._status_error(where, response)
+                raise self._server.status_error(where, response)
             return result
         try:
-            result = parse_generate_reply(self._json(where, response))
+            result = parse_generate_reply(self._server.json(where, response))
         except ValueError as exc:
-            raise self._error(ErrorClass.MALFORMED, where, str(exc), response.text) from exc
+            raise self._server.error(ErrorClass.MALFORMED, where, str(exc), response.text) from exc
         if len(sent) != len(input_ids) and result.finish_reason != "abort" and result.prompt_tokens != len(input_ids):
             detail = (
                 f"the server expanded {len(image_data or ())} image(s) into a prompt of {result.prompt_tokens} "
                 f"tokens, the encoder into {len(input_ids)}: its image processor settings differ from the encoder's"
             )
-            raise self._error(ErrorClass.CLIENT, where, detail)
+            raise self._server.error(ErrorClass.CLIENT, where, detail)
         return result
 
     async def abort(self, rid: str | None = None) -> None:
-        """POST /abort_request for one request id, or for every request when `rid` is None."""
-        await self._call("POST", "/abort_request", {"abort_all": True} if rid is None else {"rid": rid})
+        """POST /abort_request, to each worker, for this backend's request `rid`, or for each of its requests in
+        flight when `rid` is None; other clients' requests are left alone. Nothing in flight: nothing sent."""
+        rids = [sent for sent, asked in self._running.items() if rid is None or asked == rid]
+        if rids:
+            await self._each("POST /abort_request", partial(self._abort_on, rids=rids))
+
+    @staticmethod
+    async def _abort_on(server: HTTPServer, rids: list[str]) -> None:
+        calls = {r: partial(server.call, "POST", "/abort_request", {"rid": r}) for r in rids}
+        _, failures = await gather(calls)
+        if failures:
+            raise next(iter(failures.values()))
 
     async def pause(self, mode: str = "in_place") -> None:
-        """POST /pause_generation. "in_place" keeps requests and their KV cache until `resume`;
-        "retract" puts running requests back in the queue; "abort" aborts them all (they return with
-        finish_reason "abort")."""
+        """POST /pause_generation to each worker. "in_place" keeps requests and their KV cache until `resume`;
+        "retract" puts running requests back in the queue; "abort" aborts every request on the server, other
+        clients' too (they return with finish_reason "abort")."""
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
-        await self._call("POST", "/pause_generation", {"mode": mode})
+        await self._each("POST /pause_generation", lambda s: s.call("POST", "/pause_generation", {"mode": mode}))
 
     async def resume(self) -> None:
-        """POST /continue_generation: paused requests carry on."""
-        await self._call("POST", "/continue_generation", {})
+        """POST /continue_generation to each worker: paused requests carry on."""
+        await self._each("POST /continue_generation", lambda s: s.call("POST", "/continue_generation", {}))
 
     async def weight_version(self) -> str | None:
-        """GET /model_info's `weight_version`: the version of the weights the server generates with
-        (SGLang 0.5.x serves it there; there is no /get_weight_version)."""
+        """GET /model_info's `weight_version` (SGLang 0.5.x serves it there; there is no /get_weight_version),
+        of the server or of each worker. Workers that disagree (mid-update, or after an update that failed on
+        some) give the version most of them report, the first listed on a tie, with a warning naming each
+        worker's version; workers that cannot be reached are logged and left out."""
+        versions = await self._each("GET /model_info", self._weight_version_of)
+        return agreed_version(versions)
+
+    @staticmethod
+    async def _weight_version_of(server: HTTPServer) -> str | None:
         where = "GET /model_info"
-        reply = self._json(where, await self._call("GET", "/model_info"))
+        reply = server.json(where, await server.call("GET", "/model_info"))
         if not isinstance(reply, dict) or "weight_version" not in reply:
-            raise self._error(ErrorClass.MALFORMED, where, "no weight_version in the reply", str(reply))
+            raise server.error(ErrorClass.MALFORMED, where, "no weight_version in the reply", str(reply))
         version = reply["weight_version"]
         return None if version is None else str(version)
 
     async def _health_status(self) -> int | None:
-        """The HTTP status of GET /health, or None when the server cannot be reached."""
+        """GET /health's status: the server's, or 200 when any worker answers 200 (else the first answer); None
+        when nothing can be reached."""
         try:
-            return (await self._send("GET", "/health", timeout=self._health_timeout)).status_code
+            servers = await self._control_servers()
         except BackendError:
             return None
+        statuses, _ = await gather({s.url: partial(s.health_status, self._health_timeout) for s in servers})
+        answers = [status for status in statuses.values() if status is not None]
+        return 200 if 200 in answers else next(iter(answers), None)
 
     async def health(self) -> bool:
-        """GET /health: True on HTTP 200; False on any other status or when unreachable. Never raises."""
+        """True when the server, or any worker of the router, answers GET /health with 200. Never raises."""
         return await self._health_status() == 200
 
     async def wait_until_healthy(self, timeout: float, *, poll_interval: float = 0.5) -> None:
@@ -279,18 +269,25 @@ class SGLangBackend:
                 await anyio.sleep(poll_interval)
             return
         seen = "never reachable" if last is None else f"last answer HTTP {last}"
-        raise self._error(ErrorClass.CONNECTION, "GET /health", f"not healthy within {timeout:g} s ({seen})")
+        raise self._server.error(ErrorClass.CONNECTION, "GET /health", f"not healthy within {timeout:g} s ({seen})")
 
     async def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> dict[str, Any]:
-        """POST /update_weights_from_disk; returns SGLang's reply (`success`, `message`, `num_paused_requests`).
-        A refused update (`success: false`, which SGLang sends with HTTP 400) raises CLIENT."""
+        """POST /update_weights_from_disk to each worker; returns SGLang's reply (`success`, `message`,
+        `num_paused_requests`), the first worker's. A refused update (`success: false`, which SGLang sends with
+        HTTP 400) raises CLIENT. A failure on any worker raises (one error naming each failed worker), as the
+        workers' weights would then differ."""
         body: dict[str, Any] = {"model_path": model_path}
         if weight_version is not None:
             body["weight_version"] = weight_version
-        where = "POST /update_weights_from_disk"
-        reply = self._json(where, await self._call("POST", "/update_weights_from_disk", body))
-        if not isinstance(reply, dict) or not isinstance(reply.get("success"), bool):
-            raise self._error(ErrorClass.MALFORMED, where, "no success flag in the reply", str(reply))
-        if not reply["success"]:
-            raise self._error(ErrorClass.CLIENT, where, "the server refused the update", str(reply.get("message")))
-        return reply
+
+        async def update(server: HTTPServer) -> dict[str, Any]:
+            where = "POST /update_weights_from_disk"
+            reply = server.json(where, await server.call("POST", "/update_weights_from_disk", body))
+            if not isinstance(reply, dict) or not isinstance(reply.get("success"), bool):
+                raise server.error(ErrorClass.MALFORMED, where, "no success flag in the reply", str(reply))
+            if not reply["success"]:
+                raise server.error(ErrorClass.CLIENT, where, "the server refused the update", str(reply.get("message")))
+            return reply
+
+        replies = await self._each("POST /update_weights_from_disk", update, strict=True)
+        return next(iter(replies.values()))

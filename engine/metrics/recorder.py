@@ -77,6 +77,8 @@ class MetricsRecorder(Observer):
         self.groups_dropped: Counter[str] = Counter()  # by reason
         self.drift_checks: Counter[str] = Counter()  # "exact" or "drift"
         self.counts: Counter[str] = Counter()  # generated_tokens, trained_tokens, stale_tokens, groups_returned, steps
+        self.prompt_tokens: Counter[str] = Counter()  # prefilled by the server, by turn: "first" or "later"
+        self.cached_tokens: Counter[str] = Counter()  # of those, found in its prefix cache
         self.last_step_tokens_per_second = 0.0
         self.staleness_bound: int | None = None  # the engine's max_staleness: returned tokens past it count as stale
 
@@ -86,6 +88,9 @@ class MetricsRecorder(Observer):
         self.generation_queue_seconds.observe(turn.queue_seconds)
         self.generated_tokens.observe(turn.num_generated)
         self.counts["generated_tokens"] += turn.num_generated
+        which = "first" if turn.index == 0 else "later"  # later turns re-send the conversation: affinity shows here
+        self.prompt_tokens[which] += turn.prompt_tokens
+        self.cached_tokens[which] += turn.cached_tokens
         if turn.env_seconds or turn.num_observation:
             self.env_seconds.observe(turn.env_seconds)
             self.env_queue_seconds.observe(turn.env_queue_seconds)

@@ -87,6 +87,9 @@ def _multi_turn(samples: list, clock: VersionClock) -> dict[str, Any]:
         retries.update(trajectory.metadata.get("retries", {}))
     for error_class, n in retries.items():
         out[f"multi_turn/retries/{error_class}"] = n
+    later = [turn for t in samples for turn in t.turns[1:]]  # a later turn re-sends the whole conversation
+    if prompt := sum(turn.prompt_tokens for turn in later):
+        out["multi_turn/prefix_cache/later_turns_hit_rate"] = sum(turn.cached_tokens for turn in later) / prompt
     ages = [(clock.age(span.weight_version), span.length) for t in samples for span in t.spans]
     tokens = sum(length for _, length in ages)
     if tokens:

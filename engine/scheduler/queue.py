@@ -121,6 +121,7 @@ class Phase(StrEnum):
     WAITING_FOR_ENV = "waiting_for_env"
     IN_ENV = "in_env"
     PAUSED = "paused"
+    SCORING = "scoring"  # ended, its reward (or its group's) being computed
 
 
 @dataclass(frozen=True, slots=True)

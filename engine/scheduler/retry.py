@@ -33,6 +33,7 @@ DEFAULT_PER_TURN = {
     ErrorClass.ENV_EXCEPTION: 1,
     ErrorClass.ENV_RETRYABLE: 3,
     ErrorClass.BAD_OBSERVATION: 0,
+    ErrorClass.REWARD: 2,
 }
 
 
@@ -47,6 +48,7 @@ class RetryPolicy(BaseModel):
     backoff_base_s: float = Field(0.2, ge=0)
     backoff_max_s: float = Field(10.0, ge=0)
     env_step_timeout_s: float | None = Field(300.0, gt=0)  # for env runners built without a timeout of their own
+    reward_timeout_s: float | None = Field(300.0, gt=0)  # one call of the reward function (a trajectory or a group)
 
     def backoff(self, attempt: int, rng: random.Random) -> float:
         """Seconds before retry number `attempt` (0-based): uniform in [0, min(max, base * 2**attempt)]."""

@@ -16,6 +16,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import replace
 from functools import partial
 from typing import Any, Literal
 
@@ -24,7 +25,7 @@ import anyio
 from engine.backends.base import Backend, SamplingParams
 from engine.encoding import ChatEncoder
 from engine.envs.base import EnvRunner
-from engine.errors import BackendError, EnvError, ErrorClass, TurnError
+from engine.errors import BackendError, EnvError, ErrorClass, RewardError, TurnError
 from engine.metrics.events import Observer
 from engine.scheduler.partial import VersionClock
 from engine.scheduler.queue import Phase, Policy, PriorityLimiter, SchedulerStatistics, priority_key
@@ -33,6 +34,8 @@ from engine.trajectory import Status, StopReason, Trajectory
 from engine.turn import TurnLimits, close_env, encode_prompt, env_turn, generate_turn, out_of_room, record_failure
 
 log = logging.getLogger(__name__)
+
+SCORED = (Status.COMPLETED, Status.TRUNCATED)  # the ended trajectories a reward function scores
 
 ABORT_RETRY_S = 1.0  # while pausing: abort again if requests are still on the backend after this long
 
@@ -56,6 +59,7 @@ class Scheduler:
         reward_fn: Callable[[Trajectory], Any] | None = None,
         observers: Sequence[Observer] = (),
         seed: int = 0,
+        seed_base: int | None = None,
     ):
         self.backend, self.encoder, self.sampling, self.limits = backend, encoder, sampling, limits
         self.retry, self.breaker = retry, breaker
@@ -66,6 +70,7 @@ class Scheduler:
         self.env_slots = PriorityLimiter(max_env_steps, name="env slots")
         self._env_threads = anyio.CapacityLimiter(max_env_steps)  # worker threads of sync envs
         self._rng = random.Random(seed)
+        self.seed_base = seed_base  # per-request sampling seeds: seed_base + index in group (None: unseeded)
         self._phase: dict[int, tuple[Phase, float]] = {}  # trajectory id -> (phase, since when)
         self._phase_counts: dict[Phase, int] = dict.fromkeys(Phase, 0)  # plain ints: read from any thread
         self._resumed_at = time.monotonic()
@@ -78,35 +83,46 @@ class Scheduler:
         self._exhausted: Counter[ErrorClass] = Counter()
 
     # -- one trajectory ---------------------------------------------------------------------------
-    async def drive(self, trajectory: Trajectory, env: EnvRunner, sampling: SamplingParams | None = None) -> None:
-        """Run `trajectory` to its end (with `sampling`, default the scheduler's). It ends in exactly one
-        terminal status; while generation is paused it waits, PAUSED, with its env and its turn state."""
+    async def drive(
+        self, trajectory: Trajectory, env: EnvRunner, sampling: SamplingParams | None = None, *, score: bool = True
+    ) -> None:
+        """Run `trajectory` to its end (with `sampling`, default the scheduler's), then score it with the
+        reward function (unless `score` is False). It ends in exactly one terminal status; while generation
+        is paused it waits, PAUSED, with its env and its turn state."""
         env.limiter = self._env_threads
         if env.step_timeout is None:
             env.step_timeout = self.retry.env_step_timeout_s
+        sampling = self.sampling_for(trajectory, sampling or self.sampling)
+        encoder = self._encoder(trajectory)
+        skip_special = sampling.skip_special_tokens  # the env reads the model's turn as SGLang's `text` has it
+        replay = partial(self._replay, trajectory, env, encoder, skip_special) if env.replay_safe else None
         budget = RetryBudget(self.retry)
-        stop: StopReason | None = None
         try:
-            encode_prompt(trajectory, self.encoder)  # 1
-            trajectory.transition(Status.RUNNING)
-            await self._env_call(trajectory, budget, env.reset)
-            stop = out_of_room(trajectory, self.limits)
-            while stop is None:
-                stop = await self._generate(trajectory, env, budget, sampling or self.sampling)  # 2, 3
-                if stop is None:
-                    step = partial(env_turn, trajectory, env, self.encoder, self.limits)
-                    stop = await self._env_call(trajectory, budget, step, replay=env)  # 4, 5
-                self._turn_ended(trajectory, stop)
-            if self.reward_fn is not None and stop is not StopReason.ABORTED:
-                trajectory.reward = await self._reward(trajectory)
-        except TurnError as exc:
-            stop = record_failure(trajectory, exc)
-        except anyio.get_cancelled_exc_class():
-            stop = StopReason.ABORTED
-            raise
+            stop: StopReason | None = None
+            try:
+                encode_prompt(trajectory, encoder)  # 1
+                trajectory.transition(Status.RUNNING)
+                await self._env_call(trajectory, budget, env.reset)
+                stop = out_of_room(trajectory, self.limits)
+                while stop is None:
+                    stop = await self._generate(trajectory, env, budget, sampling)  # 2, 3
+                    if stop is None:
+                        step = partial(
+                            env_turn, trajectory, env, encoder, self.limits, skip_special_tokens=skip_special
+                        )
+                        stop = await self._env_call(trajectory, budget, step, replay=replay)  # 4, 5
+                    self._turn_ended(trajectory, stop)
+            except TurnError as exc:
+                stop = record_failure(trajectory, exc)
+            finally:  # cancellation included: the trajectory ends ABORTED
+                await close_env(env, trajectory)
+                trajectory.finish(stop or StopReason.ABORTED)
+            if score and self.reward_fn is not None and trajectory.status in SCORED:
+                try:
+                    trajectory.reward = await self.score(self.reward_fn, trajectory, budget, trajectory)
+                except RewardError as exc:
+                    trajectory.fail_after_end(exc.record(len(trajectory.turns)))
         finally:
-            await close_env(env, trajectory)
-            trajectory.finish(stop or StopReason.ABORTED)
             if budget.total:
                 trajectory.metadata["retries"] = {str(cls): n for cls, n in budget.by_class.items()}
             self._turn_ended(trajectory, trajectory.stop_reason)  # a turn cut short by a failure
@@ -115,6 +131,36 @@ class Scheduler:
             trajectory.check_invariant()
             for observer in self.observers:
                 observer.trajectory_ended(trajectory)
+
+    def sampling_for(self, trajectory: Trajectory, sampling: SamplingParams) -> SamplingParams:
+        """`sampling` for this trajectory: with a seed base, seed + its index in the group (as slime seeds
+        the members of a group with deterministic inference)."""
+        if self.seed_base is None:
+            return sampling
+        return replace(sampling, sampling_seed=self.seed_base + trajectory.index)
+
+    async def score(self, fn: Callable[[Any], Any], subject: Any, budget: RetryBudget, trajectory: Trajectory) -> Any:
+        """`fn(subject)` (a trajectory or a group; sync or async) under the reward timeout, retried within
+        `budget`: a raise or a timeout is a REWARD error, and a spent budget raises it."""
+        what = f"trajectory {trajectory.id}" if subject is trajectory else f"group {trajectory.group_id}"
+        while True:
+            self._set_phase(trajectory, Phase.SCORING)
+            try:
+                value = fn(subject)
+                if not isinstance(value, Awaitable):  # a synchronous rule: done, and no timeout could stop it
+                    return value
+                with anyio.fail_after(self.retry.reward_timeout_s):
+                    return await value
+            except TimeoutError as exc:
+                error = RewardError(f"no reward for {what} within {self.retry.reward_timeout_s:g} s")
+                error.__cause__ = exc
+            except Exception as exc:  # noqa: BLE001 -- any failure of the reward function is this subject's
+                error = RewardError(f"the reward function raised {exc!r} for {what}")
+                error.__cause__ = exc
+            finally:
+                self._set_phase(trajectory, None)
+            attempt = self._charge(trajectory, budget, error)
+            await anyio.sleep(self.retry.backoff(attempt, self._rng))
 
     def _turn_ended(self, trajectory: Trajectory, stop: StopReason | None) -> None:
         """Tell the observers about the last turn, once: "continued", or the stop reason it ended with."""
@@ -132,13 +178,6 @@ class Scheduler:
         if phase is not None:
             self._phase[trajectory.id] = (phase, time.monotonic())
             self._phase_counts[phase] += 1
-
-    async def _reward(self, trajectory: Trajectory) -> Any:
-        """The reward function's score; its failure fails this trajectory (ENV_EXCEPTION), not the step."""
-        try:
-            return await _maybe_await(self.reward_fn(trajectory))
-        except Exception as exc:
-            raise EnvError(ErrorClass.ENV_EXCEPTION, f"reward function raised {exc!r}") from exc
 
     async def _generate(
         self, trajectory: Trajectory, env: EnvRunner, budget: RetryBudget, sampling: SamplingParams
@@ -170,10 +209,13 @@ class Scheduler:
             else:
                 self.breaker.record(True)
                 self.clock.observe(result.weight_version)
-                if result.finish_reason == "abort":
-                    continue  # paused mid-turn
-                trajectory.turns[-1].retries = budget.spent_in(len(trajectory.turns))
-                return out_of_room(trajectory, self.limits)
+                stop = out_of_room(trajectory, self.limits)
+                if trajectory.turns[-1].finish_reason == "abort" and stop is None:
+                    continue  # paused mid-turn, with room left: the turn goes on once generation resumes
+                turn = trajectory.turns[-1]
+                turn.retries = budget.spent_in(len(trajectory.turns))
+                turn.cut_at_cap = turn.finish_reason == "length" and stop is None
+                return stop
             finally:
                 del self._generating[rid]
                 self.generation_slots.release()
@@ -187,10 +229,10 @@ class Scheduler:
         budget: RetryBudget,
         fn: Callable[[], Awaitable[Any]],
         *,
-        replay: EnvRunner | None = None,
+        replay: Callable[[], Awaitable[None]] | None = None,
     ) -> Any:
         """An env operation under an env slot, retried within the budget. Before retrying a step on an
-        env that declares replay safe, the env is reset and the earlier responses replayed."""
+        env that declares replay safe (`replay` given), the env is reset and the earlier responses replayed."""
         while True:
             self._set_phase(trajectory, Phase.WAITING_FOR_ENV)
             started = time.monotonic()
@@ -202,8 +244,8 @@ class Scheduler:
             except EnvError as exc:
                 self.breaker.record(False)
                 attempt = self._charge(trajectory, budget, exc)
-                if replay is not None and replay.replay_safe:
-                    await self._replay(trajectory, replay)
+                if replay is not None:
+                    await replay()
             else:
                 self.breaker.record(True)
                 if trajectory.turns:
@@ -214,17 +256,23 @@ class Scheduler:
                 self.env_slots.release()
             await anyio.sleep(self.retry.backoff(attempt, self._rng))
 
-    async def _replay(self, trajectory: Trajectory, env: EnvRunner) -> None:
+    async def _replay(self, trajectory: Trajectory, env: EnvRunner, encoder: ChatEncoder, skip_special: bool) -> None:
         """Reset the env and step it through every earlier turn's response, so its state is rebuilt."""
         await env.reset()
         for turn in trajectory.turns[:-1]:
-            await env.step(self.encoder.response_text(trajectory.generated_ids(turn).tolist()))
+            text = encoder.response_text(trajectory.generated_ids(turn).tolist(), skip_special_tokens=skip_special)
+            await env.step(text)
+
+    def _encoder(self, trajectory: Trajectory) -> ChatEncoder:
+        """The encoder for this trajectory: with the tools its prompt row names (slime's `metadata["tools"]`)
+        rendered into every observation."""
+        return self.encoder.for_tools(trajectory.metadata.get("tools"))
 
     async def _restart(self, trajectory: Trajectory, env: EnvRunner, budget: RetryBudget) -> None:
         """Too stale to resume: discard the tokens and start again from the prompt, env reset."""
         self.count_discarded(trajectory)
         trajectory.restart()
-        encode_prompt(trajectory, self.encoder)
+        encode_prompt(trajectory, self._encoder(trajectory))
         await self._env_call(trajectory, budget, env.reset)
 
     def count_discarded(self, trajectory: Trajectory) -> None:
@@ -334,5 +382,6 @@ class Scheduler:
         )
 
 
-async def _maybe_await(value: Any) -> Any:
+async def maybe_await(value: Any) -> Any:
+    """`value`, awaited if it is awaitable (a sync or an async callback's result)."""
     return await value if isinstance(value, Awaitable) else value

@@ -21,13 +21,11 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
-
-import httpx
 
 from engine.models import cache_dir, load_model, load_processor, load_tokenizer, save_atomically
 from tests.net import free_port
+from tests.processes import ServerProcess
 
 SGLANG_VERSION = "0.5.23"
 STANDIN = Path(__file__).parent / "standin"
@@ -108,15 +106,18 @@ def _server_env() -> dict[str, str]:
     return env
 
 
-class SGLangServer:
+class SGLangServer(ServerProcess):
     """`sglang.launch_server` on CPU in its own process group; ready when /health answers 200."""
+
+    what = "SGLang"
+    unavailable = SGLangUnavailable
+    startup_timeout_s = STARTUP_TIMEOUT_S
 
     def __init__(self, model_path: Path, *, port: int | None = None, log_path: Path | None = None, extra: tuple = ()):
         self.model_path, self.port = Path(model_path), port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path or cache_dir() / "sglang-logs" / f"server-{self.port}.log"
+        super().__init__(log_path or cache_dir() / "sglang-logs" / f"server-{self.port}.log")
         self.extra = tuple(extra)
-        self.process: subprocess.Popen | None = None
 
     def command(self) -> list[str]:
         return [
@@ -132,51 +133,9 @@ class SGLangServer:
             raise SGLangUnavailable(
                 f"no SGLang venv at {venv_dir()}: run `python -m tests.sglang_cpu.server install` (.ci/run does)"
             )
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = self.log_path.open("w")
-        self.process = subprocess.Popen(
-            self.command(), stdout=log, stderr=subprocess.STDOUT, env=_server_env(), start_new_session=True
-        )
-        self._wait_ready()
+        self._launch(self.command(), env=_server_env())
+        self._wait_ready(lambda client: client.get(f"{self.url}/health").status_code == 200, "SGLang not healthy")
         return self
-
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        with httpx.Client(timeout=5.0) as client:
-            while time.monotonic() < deadline:
-                if self.process.poll() is not None:
-                    code = self.process.returncode
-                    raise SGLangUnavailable(f"SGLang exited with {code} at startup:\n{self.log_tail()}")
-                try:
-                    if client.get(f"{self.url}/health").status_code == 200:
-                        return
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.5)  # polling a server that is starting: there is no event to wait on
-        self.stop()
-        raise SGLangUnavailable(f"SGLang not healthy after {STARTUP_TIMEOUT_S:.0f} s:\n{self.log_tail()}")
-
-    def log_tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
-
-    def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
-
-    def __enter__(self) -> SGLangServer:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
 
 def main(argv: list[str] | None = None) -> int:
