@@ -1,0 +1,3 @@
+from scripts.slime_train_path.main import entry
+
+entry()
