@@ -42,6 +42,7 @@ from engine.scheduler.retry import RetryPolicy
 from engine.turn import TurnLimits
 
 EMBEDDED_TARGET_GROUPS = 2  # groups per step when slime's args do not say
+EMBEDDED_TURN_TOKENS = 48  # the tiny local model's per-turn cap (it seldom stops by itself; no server given)
 DEFAULT_MAX_GENERATING = 256  # concurrent generate requests, when neither slime's args nor turnstile: say
 
 
@@ -96,7 +97,7 @@ class BridgeSettings(BaseModel):
             n_samples_per_prompt=n_samples_per_prompt,
             max_turns=4,
             max_tokens=512,
-            sampling=SamplingParams(max_new_tokens=48),
+            sampling=SamplingParams(max_new_tokens=EMBEDDED_TURN_TOKENS),
         )
 
     def engine_config(self, stop_token_ids: tuple[int, ...]) -> EngineConfig:
@@ -138,9 +139,11 @@ def settings_from_args(args: Any) -> BridgeSettings:
     response_len = get("rollout_max_response_len") or 2048
     router_ip, router_port = get("sglang_router_ip"), get("sglang_router_port")
     temperature, top_k = get("rollout_temperature"), get("rollout_top_k")
+    url = f"http://{router_ip}:{router_port}" if router_ip and router_port else None
     sampling = SamplingParams(
-        # a turn may use what is left of the response budget; a per-turn cap only when asked for
-        max_new_tokens=section.max_new_tokens or response_len,
+        # a turn may use what is left of the response budget; a per-turn cap only when asked for (or on the
+        # embedded tiny model, whose random weights would otherwise fill the budget in one turn)
+        max_new_tokens=section.max_new_tokens or (response_len if url else min(response_len, EMBEDDED_TURN_TOKENS)),
         temperature=1.0 if temperature is None else temperature,
         top_p=get("rollout_top_p") or 1.0,
         top_k=-1 if top_k is None else top_k,
@@ -160,7 +163,7 @@ def settings_from_args(args: Any) -> BridgeSettings:
         env_path=get("rollout_interaction_env_path") or "engine.envs.arith",
         tokenizer=get("hf_checkpoint") or "qwen2.5",
         chat_template_kwargs=dict(get("apply_chat_template_kwargs") or {}),
-        url=f"http://{router_ip}:{router_port}" if router_ip and router_port else None,
+        url=url,
         max_tokens=response_len,
         max_context_len=get("rollout_max_context_len"),
         sampling=sampling,

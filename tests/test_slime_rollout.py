@@ -29,9 +29,10 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 
 def slime_args(**flags) -> SimpleNamespace:
     """slime's args for a small run: 2 groups of 2 a step, slime's example env (it reports a `score`,
-    never a reward), short turns."""
+    never a reward), short turns. The router named is never reached: `run` gives the service its backend."""
     base = dict(
         n_samples_per_prompt=2, rollout_batch_size=2, max_turns=2, rollout_max_response_len=256,
+        sglang_router_ip="127.0.0.1", sglang_router_port=9,
         rollout_interaction_env_path="tests.envs.slime_style_env", turnstile={"max_new_tokens": 16},
     )  # fmt: skip
     return SimpleNamespace(**{**base, **flags})
