@@ -333,12 +333,14 @@ class RolloutEngine:
             if group.trajectories != members:
                 return  # a member was rerun meanwhile (gone stale): its end scores the group again
             self._apply_group_rewards(members, rewards)
-        del self._open[group.group_id]
-        self._settled.difference_update(t.id for t in members)
         if self.config.mask_offpolicy:
             for trajectory in group.trajectories:
                 mask_offpolicy(trajectory, self.scheduler.clock)
-        verdict = await self._verdict(group)
+        verdict = await self._verdict(group)  # the group stays open (held) until it is done or dropped
+        if group.trajectories != members:
+            return
+        del self._open[group.group_id]
+        self._settled.difference_update(t.id for t in members)
         if verdict.keep:
             self._done.append(group)
             return
@@ -385,7 +387,7 @@ class RolloutEngine:
             self._counts["filter_errors"] += 1
             return Verdict(keep=True)
         verdict = answer if isinstance(answer, Verdict) else Verdict(keep=answer is None, reason=answer)
-        candidates = len(self._open) + len(self._done) + 1  # groups this step can still return, this one too
+        candidates = len(self._open) + len(self._done)  # groups this step can still return, this one too
         if not verdict.keep and verdict.keep_when_insufficient and candidates <= self._wanted:
             return Verdict(keep=True)
         return verdict

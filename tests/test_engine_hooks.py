@@ -254,3 +254,29 @@ async def test_each_turn_records_what_the_server_prefilled_and_found_cached(enco
     assert recorder.prompt_tokens["later"] - recorder.cached_tokens["later"] == 8 * sum(
         len(t.turns) - 1 for t in group.trajectories
     )
+
+
+@pytest.mark.anyio
+async def test_a_group_stays_held_while_an_async_filter_judges_it(encoder):
+    """Group 0 ends first and its filter waits until group 1 has been judged: the step still returns both
+    (a group being judged is held, not gone), and held_groups lists it meanwhile."""
+    judged_one = anyio.Event()
+    held_while_waiting: list[list[int]] = []
+    engine: RolloutEngine
+
+    async def judge(group):
+        if group.group_id == 0:
+            held_while_waiting.append([g.group_id for g in engine.held_groups])
+            await judged_one.wait()
+        else:
+            judged_one.set()
+        return None
+
+    def build(sample):  # group 0: one turn; group 1: four
+        return EnvRunner(TurnsEnv(1 if sample.group_index == 0 else 4))
+
+    engine = engine_with(encoder, rows(2), env=build, group_filter=judge)
+    async with engine:
+        groups = await engine.rollout(2)
+    assert sorted(g.group_id for g in groups) == [0, 1]
+    assert held_while_waiting == [[0, 1]]
