@@ -27,6 +27,7 @@ from typing import Any
 
 from bridge.convert import settle, to_sample
 from engine.engine import Verdict
+from engine.envs.loader import caller_sample
 from engine.trajectory import Group, Trajectory
 
 
@@ -111,9 +112,13 @@ class SlimeScoring:
             sample.reward = await self._score(sample)
         return sample.reward
 
+    async def samples_of(self, group: Group) -> list[Any]:
+        """The group's Samples (the data source's own, filled), in member order."""
+        return [await self.sample_of(t, sample_of_row(group, t)) for t in group.trajectories]
+
     async def group_reward(self, group: Group) -> list[Any]:
         """`--group-rm`: every member scored at once (a custom function then takes the list)."""
-        samples = [await self.sample_of(t, sample_of_row(group, t)) for t in group.trajectories]
+        samples = await self.samples_of(group)
         if self._custom_rm is not None:
             return list(await self._custom_rm(self.args, samples))
         return list(await self._rm().batched_async_rm(self.args, samples))
@@ -139,8 +144,7 @@ class SlimeScoring:
         DynamicFilterOutput (keep, reason, keep_when_insufficient) or, as older filters do, a bool."""
         if self._filter is None:
             return Verdict(keep=True)
-        samples = [await self.sample_of(t, sample_of_row(group, t)) for t in group.trajectories]
-        output = self._filter(self.args, samples)
+        output = self._filter(self.args, await self.samples_of(group))
         if not hasattr(output, "keep"):
             return Verdict(keep=bool(output))
         return Verdict(
@@ -165,5 +169,4 @@ def _accepted(function: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
 
 def sample_of_row(group: Group, trajectory: Trajectory) -> Any:
     """The data source's Sample for this member of the group, if the row carries them."""
-    samples = group.row.get("samples")
-    return samples[trajectory.index] if samples is not None and trajectory.index < len(samples) else None
+    return caller_sample(group.row, trajectory.index)

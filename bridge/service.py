@@ -185,17 +185,13 @@ class RolloutService:
         self.scoring.rollout_id = rollout_id
         finished = await self.engine.rollout(target)
         self._step.groups += finished
-        samples = [await self._samples(g, self.scoring) for g in finished]
-        dropped = [await self._samples(g, self.scoring) for g in self.engine.take_dropped()]
+        samples = [await self.scoring.samples_of(g) for g in finished]
+        dropped = [await self.scoring.samples_of(g) for g in self.engine.take_dropped()]
         metrics = step_summary(
             self._step.groups, rollout_time=time.monotonic() - self._step.started, clock=self.engine.scheduler.clock,
             after=self.engine.statistics(), before=self._step.before, num_gpus=self.settings.num_gpus,
         )  # fmt: skip
         return StepOutput(samples, metrics, await self._num_held(), dropped)
-
-    async def _samples(self, group: Group, scoring: SlimeScoring) -> list[Any]:
-        """The group's slime Samples (the data source's own, filled), in member order."""
-        return [await scoring.sample_of(t, sample_of_row(group, t)) for t in group.trajectories]
 
     def agenerate(self, sample: Any, sampling_params: dict[str, Any]) -> Awaitable[Any]:
         """One trajectory for one slime Sample (slime's custom generate function), awaitable in the
@@ -265,7 +261,7 @@ class RolloutService:
             async with self._engine(config, scoring, dataset.rows) as engine:
                 groups = [group async for group in engine.stream()]
             samples = sorted(
-                [s for g in groups for s in await self._samples(g, scoring)], key=lambda s: (s.index is None, s.index)
+                [s for g in groups for s in await scoring.samples_of(g)], key=lambda s: (s.index is None, s.index)
             )
             key = dataset.reward_key
             results[name] = {

@@ -41,16 +41,22 @@ class VisionDataSource:
     or 4 attempts in turn (the random model never answers right), so trajectories differ in length
     and a step ends with some of them mid-way."""
 
-    def __init__(self, n_samples: int):
-        self.n_samples, self.next = n_samples, 0
+    def __init__(self, n_samples: int, *, seed: int = 0, render=None, max_attempts: int | None = None):
+        """`render` (a processor): prompts rendered to text by its chat template, as slime's
+        `--apply-chat-template` hands them over; `max_attempts`: the same for every prompt."""
+        self.n_samples, self.next, self.seed = n_samples, 0, seed
+        self.render, self.max_attempts = render, max_attempts
         self.handed_out: list[int] = []
 
     def get_samples(self, num: int) -> list[list[Sample]]:
         groups = []
         for _ in range(num):
-            row = make_prompts(1, seed=self.next, vision=True)[0]
+            row = make_prompts(1, seed=self.seed + self.next, vision=True)[0]
             image_part, text_part = row["prompt"][0]["content"]
             prompt = [{"role": "user", "content": [{"type": "image"}, text_part]}]
+            if self.render is not None:
+                prompt = self.render.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+            attempts = self.max_attempts or 2 + self.next % 3
             groups.append(
                 [
                     Sample(
@@ -59,7 +65,7 @@ class VisionDataSource:
                         prompt=prompt,
                         label=row["label"],
                         multimodal_inputs={"images": [image_part["image"]]},
-                        metadata={**row["metadata"], "max_attempts": 2 + self.next % 3},
+                        metadata={**row["metadata"], "max_attempts": attempts},
                     )
                     for i in range(self.n_samples)
                 ]

@@ -22,9 +22,9 @@ import pytest
 
 from bridge.convert import Sample
 from bridge.slime import SERVICE_ATTRIBUTE, generate_rollout
-from engine.envs.arith import make_prompts
 from tests import hooks
 from tests.router import SGLangRouter
+from tests.test_sglang_e2e import VisionDataSource
 
 pytestmark = pytest.mark.sglang
 
@@ -36,39 +36,6 @@ FOREIGN_TOKENS = 600  # a long generation of another client on worker 0, in flig
 def router(sglang_workers):
     with SGLangRouter([w.url for w in sglang_workers], policy="consistent_hashing") as running:
         yield running
-
-
-class RenderedVisionSource:
-    """slime's data source under `--apply-chat-template` with images: each prompt rendered to text by the
-    processor's chat template (image placeholder included), the image in `multimodal_inputs`."""
-
-    def __init__(self, processor, n_samples: int):
-        self.processor, self.n_samples, self.next = processor, n_samples, 0
-        self.handed_out: list[int] = []
-
-    def get_samples(self, num: int) -> list[list[Sample]]:
-        groups = []
-        for _ in range(num):
-            row = make_prompts(1, seed=100 + self.next, vision=True)[0]
-            image_part, text_part = row["prompt"][0]["content"]
-            messages = [{"role": "user", "content": [{"type": "image"}, text_part]}]
-            text = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            groups.append(
-                [
-                    Sample(
-                        group_index=self.next,
-                        index=self.next * self.n_samples + i,
-                        prompt=text,
-                        label=row["label"],
-                        multimodal_inputs={"images": [image_part["image"]]},
-                        metadata={**row["metadata"], "max_attempts": 3},
-                    )  # fmt: skip
-                    for i in range(self.n_samples)
-                ]
-            )
-            self.handed_out.append(self.next)
-            self.next += 1
-        return groups
 
 
 def sessions_by_worker(workers) -> dict[str, set[int]]:
@@ -132,7 +99,7 @@ def test_generate_rollout_through_sglang_router_in_front_of_two_servers(router, 
         )],
         turnstile={"max_new_tokens": 24, "max_staleness": STEPS},
     )  # fmt: skip
-    source = RenderedVisionSource(processor, N_SAMPLES)
+    source = VisionDataSource(N_SAMPLES, seed=100, render=processor, max_attempts=3)  # --apply-chat-template
     hooks.CALLS.clear()
     returned: list[Sample] = []
     foreign: dict = {}

@@ -51,10 +51,16 @@ class EnvSample:
         """From a prompt row `{"prompt": ..., "label": ..., "metadata": {...}}`. A row that carries the
         caller's own sample objects, one per trajectory (`row["samples"]`: slime's Samples, from the
         bridge), gives the env that sample itself, as slime's own rollout would."""
-        samples = row.get("samples")
-        if samples is not None and index is not None and index < len(samples):
-            return samples[index]
+        given = caller_sample(row, index)
+        if given is not None:
+            return given
         return cls(row.get("prompt", ""), row.get("label"), dict(row.get("metadata") or {}), index, group_index)
+
+
+def caller_sample(row: dict[str, Any], index: int | None) -> Any | None:
+    """The caller's own object for member `index` of a row's group (`row["samples"]`), or None."""
+    samples = row.get("samples")
+    return samples[index] if samples is not None and index is not None and index < len(samples) else None
 
 
 def load_env_module(path: str) -> ModuleType:
