@@ -52,8 +52,7 @@ from benchmarks.longtail import sim_server
 from benchmarks.simserver import SimConfig
 from bridge.convert import Sample
 from bridge.service import RolloutService
-from bridge.settings import BridgeSettings, TurnstileSection
-from engine.backends.base import SamplingParams
+from bridge.settings import BridgeSettings
 from engine.backends.sglang import SGLangBackend
 from engine.envs.base import BaseInteractionEnv
 
@@ -215,8 +214,8 @@ def run(groups: int, n: int, turns: int, tokens_per_turn: int) -> dict[str, Any]
     )  # fmt: skip
     settings = BridgeSettings(
         n_samples_per_prompt=n, target_groups=groups, max_turns=turns, env_path="benchmarks.bridge_overhead",
-        max_tokens=turns * (tokens_per_turn + 200), sampling=SamplingParams(max_new_tokens=tokens_per_turn),
-        turnstile=TurnstileSection(max_generating=concurrent, max_env_steps=concurrent),
+        max_tokens=turns * (tokens_per_turn + 200), max_new_tokens=tokens_per_turn, max_generating=concurrent,
+        max_env_steps=concurrent, max_inflight=concurrent,
     )  # fmt: skip
     # slime's args, as the service gets them: envs read max_turns, SlimeScoring loads custom_rm_path
     env_args = SimpleNamespace(max_turns=turns, custom_rm_path=RM_PATH)

@@ -25,10 +25,19 @@ import time
 from typing import Any
 
 from benchmarks.longtail_common import PolicyRun, RewardModel, Setup, TimedEnv
+from engine.envs.base import StepResult
 from engine.errors import EnvError, ErrorClass, TurnError
 from engine.scheduler.scheduler import maybe_await
 from engine.trajectory import Status, StopReason, Trajectory
-from engine.turn import encode_prompt, generate_turn, out_of_room, record_failure, stop_after_generation
+from engine.turn import (
+    encode_prompt,
+    end_of_turn,
+    generate_turn,
+    observe,
+    out_of_room,
+    record_failure,
+    stop_after_generation,
+)
 
 
 async def run_slime_style(setup: Setup) -> PolicyRun:
@@ -78,7 +87,7 @@ async def _trajectory(
         env = setup.make_env(row)
         stop: StopReason | None = None
         try:
-            encode_prompt(trajectory, setup.encoder)
+            await encode_prompt(trajectory, setup.encoder)
             trajectory.transition(Status.RUNNING)
             env.reset()
             stop = out_of_room(trajectory, setup.limits)
@@ -86,7 +95,7 @@ async def _trajectory(
                 result = await generate_turn(trajectory, setup.backend, setup.sampling, setup.limits)
                 stop = stop_after_generation(trajectory, result, setup.limits)
                 if stop is None:
-                    stop = _env_turn_blocking(setup, trajectory, env)
+                    stop = await _env_turn_blocking(setup, trajectory, env)
         except TurnError as exc:
             stop = record_failure(trajectory, exc)
         except Exception as exc:  # the env raised: this trajectory fails (slime at HEAD loses the step)
@@ -101,24 +110,14 @@ async def _trajectory(
     return trajectory
 
 
-def _env_turn_blocking(setup: Setup, trajectory: Trajectory, env: TimedEnv) -> StopReason | None:
-    """engine.turn.env_turn, with the env's `step` called right here, in the event loop."""
+async def _env_turn_blocking(setup: Setup, trajectory: Trajectory, env: TimedEnv) -> StopReason | None:
+    """engine.turn's steps 4 and 5, with the env's `step` called right here, in the event loop."""
     turn = trajectory.turns[-1]
     generated = trajectory.generated_ids(turn).tolist()
     started = time.monotonic()
     observation, done, info = env.step(setup.encoder.response_text(generated))  # blocks every coroutine
     turn.env_seconds = time.monotonic() - started
-    if "reward" in info:
-        trajectory.reward = info["reward"]
-    if done:
-        return StopReason.ENV_DONE
-    if len(trajectory.turns) >= setup.limits.max_turns:
-        return StopReason.MAX_TURNS
-    message = env.format_observation(observation)
-    token_ids = setup.encoder.closing_ids(generated) + setup.encoder.encode_observation(message).token_ids
-    if len(token_ids) >= setup.limits.remaining(trajectory):
-        return StopReason.TOKEN_BUDGET
-    trajectory.append_observation(token_ids)
-    turn.num_observation = len(token_ids)
-    turn.observation = message
-    return None
+    stop = end_of_turn(trajectory, StepResult(observation or {}, bool(done), info or {}), setup.limits)
+    if stop is None:
+        stop = await observe(trajectory, env.format_observation(observation), setup.encoder, setup.limits)
+    return stop

@@ -79,6 +79,12 @@ class FixedEncoder:
     def encode_observation(self, message) -> Encoded:
         return Encoded(OBSERVATION_IDS)
 
+    async def aencode_prompt(self, prompt, images=None) -> Encoded:
+        return self.encode_prompt(prompt, images)
+
+    async def aencode_observation(self, message) -> Encoded:
+        return self.encode_observation(message)
+
     def closing_ids(self, generated) -> list[int]:
         return []
 

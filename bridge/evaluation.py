@@ -45,7 +45,7 @@ def eval_datasets(args: Any, settings: BridgeSettings) -> dict[str, EvalDataset]
     if not configs:
         from engine.envs.arith import make_prompts
 
-        rows = make_prompts(4, seed=1_000, vision=settings.turnstile.vision)
+        rows = make_prompts(4, seed=1_000, vision=settings.vision)
         return {"arith": EvalDataset(rows, 1, settings.sampling, settings.max_tokens)}
     return {cfg.name: _dataset(cfg, args, settings) for cfg in configs}
 
@@ -58,7 +58,7 @@ def _dataset(cfg: Any, args: Any, settings: BridgeSettings) -> EvalDataset:
     n = pick("n_samples_per_eval_prompt", "n_samples_per_eval_prompt", default=1)
     max_tokens = pick("max_response_len", "eval_max_response_len", "rollout_max_response_len") or settings.max_tokens
     sampling = SamplingParams(
-        max_new_tokens=settings.turnstile.max_new_tokens or max_tokens,
+        max_new_tokens=settings.max_new_tokens or max_tokens,
         temperature=pick("temperature", "eval_temperature", "rollout_temperature", default=1.0),
         top_p=pick("top_p", "eval_top_p", "rollout_top_p", default=1.0),
         top_k=pick("top_k", "eval_top_k", "rollout_top_k", default=-1),
@@ -225,7 +225,7 @@ def _renderer(settings: BridgeSettings) -> Any:
     from bridge.service import _processor
     from engine.models import load_tokenizer
 
-    processor = _processor(settings.tokenizer, vision=settings.turnstile.vision)
+    processor = _processor(settings.tokenizer, vision=settings.vision)
     return processor if processor is not None else load_tokenizer(settings.tokenizer)
 
 

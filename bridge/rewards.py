@@ -23,11 +23,16 @@ from __future__ import annotations
 
 import importlib
 import inspect
+from functools import partial
 from typing import Any
 
-from bridge.convert import settle, to_sample
+import anyio
+
+from bridge.convert import sample_class, settle, to_sample
 from engine.engine import Verdict
 from engine.envs.loader import caller_sample
+from engine.errors import InternalError
+from engine.scheduler.scheduler import SCORED
 from engine.trajectory import Group, Trajectory
 
 
@@ -86,9 +91,40 @@ class SlimeScoring:
         """The trajectory's Sample (filled into `into`, the data source's own), slime's rollout sample
         hooks applied; made once and kept on the trajectory, its outcome settled on every call."""
         if trajectory.sample is None:
-            sample = to_sample(trajectory, self.tokenizer, into=into)
-            trajectory.sample = await self._apply_hooks(sample)
+            sample = await self.convert(trajectory, into)
+            try:
+                sample = await self._apply_hooks(sample)
+            except Exception as exc:  # noqa: BLE001 -- a hook's bug fails this trajectory; its group stays whole
+                sample = self._failed_sample(trajectory, sample, exc)
+            trajectory.sample = sample
         return settle(trajectory.sample, trajectory)
+
+    async def convert(self, trajectory: Trajectory, into: Any = None) -> Any:
+        """The trajectory as a Sample, no hooks applied; converted in a worker thread (it decodes and copies
+        every token). A conversion that raises fails the trajectory: a Sample with its prompt only."""
+        try:
+            return await anyio.to_thread.run_sync(partial(to_sample, trajectory, self.tokenizer, into=into))
+        except Exception as exc:  # noqa: BLE001 -- the trajectory fails; its group stays whole
+            return self._failed_sample(trajectory, into, exc)
+
+    @staticmethod
+    def _failed_sample(trajectory: Trajectory, into: Any, exc: Exception) -> Any:
+        """A trajectory whose conversion or sample hooks raised: FAILED, with the error recorded, as a
+        Sample (`into`, when given) with its prompt and no response (`remove_sample` once settled)."""
+        error = InternalError.of(exc, f"converting trajectory {trajectory.id} to a slime Sample").record(
+            len(trajectory.turns)
+        )
+        if trajectory.status in SCORED:
+            trajectory.fail_after_end(error)
+        else:
+            trajectory.errors.append(error)
+        sample = into if into is not None else sample_class()(group_index=trajectory.group_id, index=trajectory.index)
+        sample.prompt = trajectory.prompt if into is None else sample.prompt
+        sample.tokens = trajectory.tokens[: trajectory.prompt_length].tolist()
+        sample.response, sample.response_length = "", 0
+        sample.loss_mask, sample.rollout_log_probs = [], []
+        sample.multimodal_train_inputs = None
+        return sample
 
     async def _apply_hooks(self, sample: Any) -> Any:
         """slime's `apply_rollout_sample_hooks` semantics: each hook is `hook(args, sample, **kw)` with the
@@ -108,7 +144,7 @@ class SlimeScoring:
     async def reward(self, trajectory: Trajectory, into: Any = None) -> Any:
         """slime's reward of one ended trajectory: the env's (or a hook's) when there is one, else rm_hub's."""
         sample = await self.sample_of(trajectory, into)
-        if sample.reward is None:
+        if sample.reward is None and trajectory.status in SCORED:  # not one that failed to convert
             sample.reward = await self._score(sample)
         return sample.reward
 

@@ -28,19 +28,18 @@ import anyio
 import anyio.abc
 from anyio.from_thread import start_blocking_portal
 
-from bridge.convert import to_sample
+from bridge.convert import settle
 from bridge.rewards import SlimeScoring, sample_of_row
 from bridge.settings import BridgeSettings
 from engine.backends.base import Backend, SamplingParams
 from engine.config import EngineConfig
 from engine.encoding import ChatEncoder
-from engine.engine import EngineStatistics, RolloutEngine
-from engine.envs.loader import EnvFactory, EnvLoadError
+from engine.engine import EngineStatistics, RolloutEngine, StepFailedError
+from engine.envs.loader import EnvFactory
 from engine.metrics.recorder import MetricsRecorder
 from engine.metrics.summary import step_summary
 from engine.source import QueueSource
 from engine.trajectory import Group, Trajectory
-from engine.turn import record_failure
 
 
 @dataclass
@@ -97,9 +96,9 @@ class RolloutService:
         """The engine's lifetime: contexts are entered and left in this one task (anyio's rule)."""
         from engine.models import load_tokenizer
 
-        s, t = self.settings, self.settings.turnstile
+        s = self.settings
         self._stop = anyio.Event()
-        self.processor = _processor(s.tokenizer, vision=t.vision)
+        self.processor = _processor(s.tokenizer, vision=s.vision)
         self.tokenizer = self.processor.tokenizer if self.processor is not None else load_tokenizer(s.tokenizer)
         self.encoder = ChatEncoder(
             self.tokenizer, processor=self.processor, chat_template_kwargs=s.chat_template_kwargs
@@ -107,7 +106,7 @@ class RolloutService:
         self.scoring = SlimeScoring(self._args, self.tokenizer)
         async with self._backend() if self._given_backend is None else nullcontext(self._given_backend) as backend:
             self.backend = backend
-            self.env_factory = EnvFactory(s.env_path, args=self._env_args, step_timeout=t.env_step_timeout_s)
+            self.env_factory = EnvFactory(s.env_path, args=self._env_args, step_timeout=s.retry.env_step_timeout_s)
             self.engine = self._engine(s.engine_config(self.encoder.stop_token_ids), self.scoring, self._source)
             async with self.engine:
                 task_status.started()
@@ -144,7 +143,7 @@ class RolloutService:
                 "the embedded local model cannot honour them"
             )
 
-        model = s.turnstile.model if not s.turnstile.vision else "tiny-qwen2.5-vl"
+        model = s.model if not s.vision else "tiny-qwen2.5-vl"
         return LocalBackend(load_model(model), self.tokenizer, processor=self.processor)
 
     # -- steps -----------------------------------------------------------------------------------
@@ -183,7 +182,10 @@ class RolloutService:
             self._step = _Step(rollout_id, time.monotonic(), self.engine.statistics())
         self._source.put(row_from_group(group, rollout_id) for group in groups)
         self.scoring.rollout_id = rollout_id
-        finished = await self.engine.rollout(target)
+        try:
+            finished = await self.engine.rollout(target)
+        except StepFailedError as exc:  # nothing of it goes to training; the message says why
+            raise StepFailedError(str(exc), []) from None
         self._step.groups += finished
         samples = [await self.scoring.samples_of(g) for g in finished]
         dropped = [await self.scoring.samples_of(g) for g in self.engine.take_dropped()]
@@ -204,19 +206,15 @@ class RolloutService:
 
     async def _generate_one(self, sample: Any, sampling_params: dict[str, Any]) -> Any:
         """slime's own loop applies its hooks and scores the Sample after this returns (reward None
-        unless the env gave one), so neither happens here."""
+        unless the env gave one), so neither happens here. It runs in the engine's accounting; slime's
+        abort at the end of its step ends it ABORTED."""
         row = row_from_group([sample], (sample.metadata or {}).get("start_rollout_id", -1))
         trajectory = Trajectory(
-            prompt=row["prompt"], prompt_images=row["images"], group_id=sample.group_index or 0,
-            index=sample.index or 0, metadata=dict(row["metadata"]),
-        )  # fmt: skip
-        try:
-            env = self.engine.env_factory(sample)  # the env sees slime's Sample, as in slime's own loop
-        except EnvLoadError as exc:
-            trajectory.finish(record_failure(trajectory, exc))
-        else:
-            await self.engine.scheduler.drive(trajectory, env, self._sampling(sampling_params), score=False)
-        return to_sample(trajectory, self.tokenizer, into=sample)
+            prompt=row["prompt"], prompt_images=row["images"], index=sample.index or 0, metadata=dict(row["metadata"])
+        )
+        # the env sees slime's Sample, as in slime's own loop
+        await self.engine.run_one(trajectory, sample, self._sampling(sampling_params))
+        return settle(await self.scoring.convert(trajectory, into=sample), trajectory, fill_reward=False)
 
     def _sampling(self, params: dict[str, Any]) -> SamplingParams:
         """slime's sampling params over the engine's: temperature, top-p/k and stop ids; the per-turn cap

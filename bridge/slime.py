@@ -101,10 +101,10 @@ def service_for(args: Any, *, group_size: int | None) -> RolloutService:
     if service is None:
         check_args(args)
         settings = settings_from_args(args)
-        if settings.turnstile.ray_actor:
+        if settings.ray_actor:
             from bridge.ray_actor import attach_or_create
 
-            service = attach_or_create(settings.turnstile.ray_actor, settings, args)
+            service = attach_or_create(settings.ray_actor, settings, args)
         else:
             service = _keep(RolloutService(settings, env_args=args))
         setattr(args, SERVICE_ATTRIBUTE, service)

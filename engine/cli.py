@@ -14,18 +14,25 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import socket
 import sys
 import time
 from collections import Counter
+from collections.abc import Mapping
 from contextlib import AsyncExitStack, nullcontext
+from dataclasses import replace
+from enum import Enum
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any
+from types import SimpleNamespace, UnionType
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import anyio
+import jinja2
+from pydantic import ValidationError
+from pydantic.fields import FieldInfo
 
 from engine.backends.base import Backend
-from engine.config import BackendConfig, RunConfig
+from engine.config import RETRY_FLAGS, Flag, Settings, load_yaml, marker, read_yaml
 from engine.encoding import ChatEncoder
 from engine.engine import RolloutEngine
 from engine.envs.loader import EnvFactory
@@ -33,59 +40,61 @@ from engine.errors import BackendError
 from engine.metrics.live import LiveView
 from engine.metrics.logging import TurnLogger
 from engine.metrics.recorder import MetricsRecorder
-from engine.scheduler.queue import Policy
+from engine.scheduler.retry import RetryPolicy
 from engine.source import jsonl_rows
-from engine.trajectory import StopReason, Trajectory
+from engine.trajectory import Status, Trajectory
 
-FAILED_REASONS = (StopReason.BACKEND_ERROR, StopReason.ENV_ERROR)
+SETTINGS_EPILOG = "Every setting, its default and what it does: docs/settings.md (python -m engine.config)."
 
 
 def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
+    try:  # everything a run reads is checked, and loaded, before it starts
+        config = settings_from_flags(args)
+        _check_run(config)
+        _check_out(args.out)
+        _check_metrics(config)
+        rows = _load_rows(args, config)
+        make_env = EnvFactory(
+            config.env_path, args=SimpleNamespace(**config.model_dump()), step_timeout=config.retry.env_step_timeout_s
+        )
+        encoder = _encoder(config)
+        model = _local_model(config)
+    except (ValueError, OSError) as exc:  # bad settings, prompts, env, tokenizer, template, model: one error
+        parser.error(_describe(exc))
+    try:
+        return anyio.run(_run, config, rows, make_env, args.out, encoder, model)
+    except BackendError as exc:  # the backend failed outside any trajectory (as the engine started): one line
+        print(f"turnstile: {exc.message}", file=sys.stderr)
+        return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """`turnstile run`'s options: its own, and one per knob marked as a flag in engine.config; `serve`'s."""
     parser = argparse.ArgumentParser(
         prog="turnstile", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    run = commands.add_parser("run", help="run trajectories and write them as JSON lines")
-    run.add_argument("--config", help="a YAML file of RunConfig settings (flags override it)")
-    run.add_argument("--num-prompts", type=int, default=16, help="prompts of the built-in env (default 16)")
+    run = commands.add_parser("run", help="run trajectories and write them as JSON lines", epilog=SETTINGS_EPILOG)
+    run.add_argument("--config", help="a YAML file of settings, flat keys (flags override it)")
+    run.add_argument("--num-prompts", type=_positive, default=16, help="prompts of the built-in env (default: 16)")
     run.add_argument("--prompts", help="a JSONL file of rows {prompt: [messages], label, metadata} instead")
     run.add_argument("--out", default="out/trajectories.jsonl", help="where the JSON lines go ('-' for stdout)")
-    run.add_argument("--backend", choices=["local", "sglang"])
-    run.add_argument("--url", help="SGLang server or sglang-router URL, or several, comma-separated (--backend sglang)")
-    run.add_argument("--model", help="local backend: tiny-qwen2, tiny-qwen2.5-vl or a model directory")
-    for flag in ("tokenizer", "chat-template", "env-path"):
-        run.add_argument(f"--{flag}")
-    run.add_argument("--policy", choices=[p.value for p in Policy], help="which ready turn goes next")
-    run.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="turn logs (default warning)")
-    run.add_argument("--vision", action="store_true", default=None, help="VLM: Qwen2.5-VL processor and model")
-    numbers = {"max-turns": int, "max-tokens": int, "max-new-tokens": int, "max-context-len": int,
-               "temperature": float, "seed": int, "env-step-timeout": float, "n-samples-per-prompt": int,
-               "max-inflight": int, "max-generating": int, "max-env-steps": int, "metrics-port": int,
-               "log-sample": float}  # fmt: skip
-    for flag, kind in numbers.items():
-        run.add_argument(f"--{flag}", type=kind)
+    for name, field in Settings.model_fields.items():
+        if marker(field, Flag) is not None:
+            _add_flag(run, name, field)
+    for name, flag in RETRY_FLAGS.items():
+        _add_flag(run, flag.replace("-", "_"), RetryPolicy.model_fields[name])
     serve = commands.add_parser("serve", help="start the rollout service as a named Ray actor")
     serve.add_argument(
         "--name", help="the actor's name, namespace `turnstile` (default: the YAML's ray_actor, else turnstile-rollout)"
     )
     serve.add_argument("--config", help="a YAML as slime's --custom-config-path takes (its `turnstile:` section)")
     serve.add_argument("--detach", action="store_true", help="leave the actor running and return")
-    args = parser.parse_args(argv)
-    if args.command == "serve":
-        return _serve(args)
-    try:
-        config = _config_from(args)
-        rows = _load_rows(args, config)
-        make_env = EnvFactory(
-            config.env_path, args=SimpleNamespace(**config.model_dump()), step_timeout=config.env_step_timeout
-        )
-    except (ValueError, OSError) as exc:  # bad settings, prompts or env: one error naming it
-        parser.error(str(exc))
-    try:
-        return anyio.run(_run, config, rows, make_env, args.out)
-    except BackendError as exc:  # the backend failed outside any trajectory (as the engine started): one line
-        print(f"turnstile: {exc.message}", file=sys.stderr)
-        return 2
+    return parser
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -93,16 +102,23 @@ def _serve(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    import ray
-    import yaml
-
-    from bridge.ray_actor import NAMESPACE, attach_or_create
     from bridge.settings import settings_from_args
 
-    values = yaml.safe_load(Path(args.config).read_text()) if args.config else {}
-    slime_args = SimpleNamespace(**(values or {}))
-    settings = settings_from_args(slime_args)
-    name = args.name or settings.turnstile.ray_actor or "turnstile-rollout"
+    try:
+        values = (load_yaml(args.config) if args.config else None) or {}
+        if not isinstance(values, Mapping):
+            raise ValueError(f"{args.config}: expected a mapping, got {type(values).__name__}")
+        slime_args = SimpleNamespace(**values)
+        settings = settings_from_args(slime_args)
+    except (ValueError, OSError) as exc:  # one error naming the file, the key or the value
+        print(f"turnstile: {_describe(exc)}", file=sys.stderr)
+        return 2
+
+    import ray
+
+    from bridge.ray_actor import NAMESPACE, attach_or_create
+
+    name = args.name or settings.ray_actor or "turnstile-rollout"
     if args.detach and not ray.is_initialized():
         try:  # a detached actor outlives this process only on a cluster that does too
             ray.init(address="auto", namespace=NAMESPACE)
@@ -122,41 +138,155 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _config_from(args: argparse.Namespace) -> RunConfig:
-    skip = {"command", "config", "num_prompts", "prompts", "out", "backend", "url", "model"}
-    overrides = {k: v for k, v in vars(args).items() if k not in skip and v is not None}
-    base = RunConfig.from_yaml(args.config) if args.config else RunConfig()
-    backend = base.backend.model_dump()
-    backend.update({k: v for k, v in (("kind", args.backend), ("url", args.url), ("model", args.model)) if v})
-    if overrides.get("vision") and not args.model and backend.get("kind") == "local":
-        backend["model"] = "tiny-qwen2.5-vl"
-    return RunConfig.model_validate({**base.model_dump(), **overrides, "backend": BackendConfig(**backend)})
+def _add_flag(parser: argparse.ArgumentParser, dest: str, field: FieldInfo) -> None:
+    """`--dest` (dashed) for the knob `field`: its type, choices and description. A flag left out leaves
+    the YAML's value or the knob's default."""
+    kind = _scalar(field.annotation)
+    description = f"{field.description} (default: {field.default})".replace("%", "%%")
+    options: dict[str, Any] = {"dest": dest, "default": None, "help": description}
+    if kind is bool:
+        options["action"] = "store_true"
+    elif get_origin(kind) is Literal:
+        options["choices"] = list(get_args(kind))
+    elif isinstance(kind, type) and issubclass(kind, Enum):
+        options["choices"] = [member.value for member in kind]
+    else:
+        options["type"] = kind
+    parser.add_argument("--" + dest.replace("_", "-"), **options)
 
 
-def _load_rows(args: argparse.Namespace, config: RunConfig) -> list[dict[str, Any]]:
+def _scalar(annotation: Any) -> Any:
+    """The type a flag parses: `annotation` without None and without Annotated constraints."""
+    while get_origin(annotation) is Annotated:
+        annotation = get_args(annotation)[0]
+    if get_origin(annotation) in (Union, UnionType):
+        (annotation,) = [a for a in get_args(annotation) if a is not type(None)]
+        return _scalar(annotation)
+    return annotation
+
+
+def settings_from_flags(args: argparse.Namespace) -> Settings:
+    """The defaults, under the YAML of `--config`, under the flags given."""
+    values = read_yaml(args.config, Settings, "run") if args.config else {}
+    for name, field in Settings.model_fields.items():
+        if marker(field, Flag) is not None and getattr(args, name) is not None:
+            values[name] = getattr(args, name)
+    retry = {name: getattr(args, flag.replace("-", "_")) for name, flag in RETRY_FLAGS.items()}
+    retry = {name: value for name, value in retry.items() if value is not None}
+    given = values.get("retry") or {}
+    if retry and isinstance(given, Mapping):  # a flag sets one retry knob; the YAML's others stay
+        values["retry"] = {**given, **retry}
+    return Settings.model_validate(values)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _describe(exc: Exception) -> str:
+    """The error as one line: pydantic's as `key: why (given value)` per problem, anything else as its text."""
+    if not isinstance(exc, ValidationError):
+        return str(exc)
+    problems = []
+    for error in exc.errors():
+        key = ".".join(str(part) for part in error["loc"])
+        why = error["msg"].removeprefix("Value error, ")
+        problems.append(f"{key}: {why} (given {error['input']!r})" if key else why)
+    return "; ".join(problems)
+
+
+def _check_run(config: Settings) -> None:
+    """Settings `turnstile run` would not honour, refused before anything loads."""
+    if config.vision and (config.tokenizer != "qwen2.5" or config.chat_template is not None):
+        raise ValueError(
+            "--vision runs the embedded Qwen2.5-VL processor with its own template: "
+            "--tokenizer and --chat-template are not read with it"
+        )
+    other = {"local": ("request_timeout_s",), "sglang": ("model", "max_batch_size")}[config.backend_kind]
+    if unread := sorted(set(other) & config.model_fields_set):
+        raise ValueError(f"{', '.join(unread)}: not read by the {config.backend_kind} backend")
+    if config.backend_kind == "local":
+        refused = replace(config.sampling, sampling_seed=config.sampling_seed_base).unsupported_locally()
+        if refused:
+            raise ValueError(f"the local backend cannot honour {', '.join(refused)}: give an SGLang server (--url)")
+
+
+def _load_rows(args: argparse.Namespace, config: Settings) -> list[dict[str, Any]]:
     if args.prompts is None:
         from engine.envs.arith import make_prompts
 
         return make_prompts(args.num_prompts, seed=config.seed, vision=config.vision)
-    return list(jsonl_rows(args.prompts))
+    rows = list(jsonl_rows(args.prompts))
+    if not rows:
+        raise ValueError(f"{args.prompts}: no prompt rows in the file")
+    return rows
 
 
-async def _run(config: RunConfig, rows: list[dict[str, Any]], make_env: EnvFactory, out: str) -> int:
+def _encoder(config: Settings) -> ChatEncoder:
+    """The tokenizer (or VLM processor) and its chat template, checked by rendering it once."""
     from engine.models import load_processor, load_tokenizer
 
     processor = load_processor("qwen2.5-vl") if config.vision else None
     tokenizer = processor.tokenizer if processor is not None else load_tokenizer(config.tokenizer, config.chat_template)
-    encoder = ChatEncoder(tokenizer, processor=processor)
+    try:
+        return ChatEncoder(tokenizer, processor=processor, chat_template_kwargs=config.chat_template_kwargs)
+    except jinja2.TemplateError as exc:
+        raise ValueError(f"the chat template does not render: {type(exc).__name__}: {exc}") from exc
+
+
+def _local_model(config: Settings) -> Any:
+    """The local backend's model (None for SGLang)."""
+    if config.backend_kind != "local":
+        return None
+    from engine.models import load_model
+
+    return load_model(config.local_model, seed=config.seed)
+
+
+def _check_metrics(config: Settings) -> None:
+    """/metrics can be served where the settings say: the host is this machine's and the port free."""
+    if config.metrics_port is None:
+        return
+    host, port = config.metrics_host, config.metrics_port
+    try:
+        family, kind, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the exporter's server does
+            probe.bind(address)
+    except OSError as exc:
+        raise ValueError(
+            f"--metrics-host {host} --metrics-port {port}: cannot serve there: {exc.strerror or exc}"
+        ) from exc
+
+
+def _check_out(out: str) -> None:
+    """`--out` can be written (it is created, not yet emptied)."""
+    if out == "-":
+        return
+    path = Path(out)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.open("a").close()
+    except OSError as exc:
+        raise ValueError(f"--out {out}: cannot write there: {exc.strerror or exc}") from exc
+
+
+async def _run(
+    config: Settings, rows: list[dict[str, Any]], make_env: EnvFactory, out: str, encoder: ChatEncoder, model: Any
+) -> int:
     finished: list[Trajectory] = []
     started = time.monotonic()
     async with AsyncExitStack() as stack:
         try:  # an SGLang URL is found to be a server or a router (and its workers) on entering
-            backend = await stack.enter_async_context(_backend(config, encoder))
-            is_healthy, why = await backend.health(), ""
+            backend = await stack.enter_async_context(_backend(config, encoder, model))
+            is_healthy, why = await backend.health(), ": GET /health did not answer HTTP 200"
         except BackendError as exc:
             is_healthy, why = False, f": {exc.message}"
         if not is_healthy:
-            where = f"the {config.backend.kind} backend at {config.backend.url}"
+            where = f"the {config.backend_kind} backend at {config.url}"
             print(f"turnstile: {where} is not healthy{why}", file=sys.stderr)
             return 2
         sink = stack.enter_context(nullcontext(sys.stdout) if out == "-" else _open_out(out))
@@ -167,7 +297,7 @@ async def _run(config: RunConfig, rows: list[dict[str, Any]], make_env: EnvFacto
             encoder=encoder,
             env_factory=make_env,
             source=rows,
-            config=config.engine(encoder.stop_token_ids),
+            config=config.engine_config(encoder.stop_token_ids),
             observers=observers,
         )
         async with engine, anyio.create_task_group() as view:
@@ -180,25 +310,21 @@ async def _run(config: RunConfig, rows: list[dict[str, Any]], make_env: EnvFacto
                 finished.extend(group.trajectories)
             view.cancel_scope.cancel()
     _summary(finished, time.monotonic() - started, out)
-    return 1 if finished and all(t.stop_reason in FAILED_REASONS for t in finished) else 0
+    return 1 if finished and all(t.status is Status.FAILED for t in finished) else 0  # nothing succeeded
 
 
-def _backend(config: RunConfig, encoder: ChatEncoder) -> Backend:
-    if config.backend.kind == "sglang":
+def _backend(config: Settings, encoder: ChatEncoder, model: Any) -> Backend:
+    if config.backend_kind == "sglang":
         from engine.backends.pool import BackendPool
         from engine.backends.sglang import SGLangBackend
 
-        urls = [url.strip() for url in config.backend.url.split(",") if url.strip()]
+        urls = [url.strip() for url in (config.url or "").split(",") if url.strip()]
         image_token_id = encoder.image_token_id
-        servers = [SGLangBackend(url, timeout=config.backend.timeout, image_token_id=image_token_id) for url in urls]
+        servers = [SGLangBackend(url, timeout=config.request_timeout_s, image_token_id=image_token_id) for url in urls]
         return servers[0] if len(servers) == 1 else BackendPool(servers)
     from engine.backends.local import LocalBackend
-    from engine.models import load_model
 
-    model = load_model(config.backend.model, seed=config.seed)
-    return LocalBackend(
-        model, encoder.tokenizer, processor=encoder.processor, max_batch_size=config.backend.max_batch_size
-    )
+    return LocalBackend(model, encoder.tokenizer, processor=encoder.processor, max_batch_size=config.max_batch_size)
 
 
 def _open_out(out: str):

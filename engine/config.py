@@ -1,126 +1,442 @@
-"""Typed configuration, validated once when built.
+"""Turnstile's settings: one typed model, validated once when built, read by the engine, `turnstile run`
+and the slime bridge alike.
 
-`EngineConfig` is what `RolloutEngine` runs with; `RunConfig` is `turnstile run`'s, whose YAML files use
-the same flat keys as slime's `--custom-config-path` files (`max_turns`, `rollout_interaction_env_path`,
-...) plus Turnstile's own."""
+`EngineConfig` holds what `RolloutEngine` runs with; `Settings` extends it with what a run needs around
+the engine (env, tokenizer, backend, logs). Each knob is declared once, with its one default and its
+description (the attribute docstring); docs/settings.md is printed from these classes
+(`python -m engine.config`) and a test keeps the two equal.
+
+Where a knob's value comes from:
+
+- `turnstile run`: its flags (knobs marked `FLAG`), over a YAML file of flat keys (`--config`), over the
+  defaults. The YAML takes slime's name where slime has one (`rollout_interaction_env_path` for `env_path`).
+- the slime bridge (bridge/settings.py): slime's flags for what slime already says (knobs marked `Slime`),
+  the `turnstile:` section of slime's `--custom-config-path` YAML for the rest.
+
+A knob marked `Only` is read by one of the two and refused by the other, so no setting is taken and then
+ignored.
+"""
 
 from __future__ import annotations
 
+import difflib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from enum import Enum
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Self, TypeVar
 
 import yaml
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, model_validator
+from pydantic.fields import FieldInfo
 
 from engine.backends.base import SamplingParams
 from engine.scheduler.queue import Policy
 from engine.scheduler.retry import RetryPolicy
 from engine.turn import TurnLimits
 
+Reader = Literal["run", "slime"]
+EMBEDDED_TURN_TOKENS = 48  # the per-turn cap on the local backend when max_new_tokens is unset (see that knob)
+
+
+@dataclass(frozen=True, slots=True)
+class Slime:
+    """Under slime, where a knob's value comes from: `source` names slime's flag (or a top-level key of
+    slime's custom config YAML). With `fills`, slime's value stands in only when the `turnstile:` section
+    leaves the knob unset; without, slime's flag decides and the section may not name the knob."""
+
+    source: str
+    fills: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Only:
+    """A knob read by one entry point only: "run" (`turnstile run`) or "slime" (the slime bridge)."""
+
+    reader: Reader
+
+
+@dataclass(frozen=True, slots=True)
+class Flag:
+    """The knob is also a `turnstile run` option, `--` and its name with dashes."""
+
+
+FLAG = Flag()
+RETRY_FLAGS = {"env_step_timeout_s": "env-step-timeout"}  # RetryPolicy knobs that are `turnstile run` options
+MOVED = {  # keys of earlier versions, and where the knob lives now
+    "env_step_timeout": "retry.env_step_timeout_s",
+    "env_step_timeout_s": "retry.env_step_timeout_s",
+    "backend.kind": "backend",
+}
+_LIMITS = tuple(f.name for f in fields(TurnLimits))
+_SAMPLING = tuple(f.name for f in fields(SamplingParams) if f.name != "sampling_seed")
+
+M = TypeVar("M")
+
+
+def marker(field: FieldInfo, kind: type[M]) -> M | None:
+    """`field`'s marker of type `kind` (Slime, Only, Flag), if it has one."""
+    return next((m for m in field.metadata if isinstance(m, kind)), None)
+
 
 class EngineConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    """What `RolloutEngine` runs with. Per-trajectory limits and per-request sampling are flat knobs here;
+    `limits` and `sampling` give them as the `TurnLimits` and `SamplingParams` the turns take. The
+    constructor (and `model_copy(update=...)`) also takes `limits=` or `sampling=` objects, unpacked into
+    those knobs."""
 
-    n_samples_per_prompt: PositiveInt = 1
-    max_inflight: PositiveInt = 512  # trajectories admitted and not yet ended
-    max_generating: PositiveInt = 256  # concurrent generate requests
-    max_env_steps: PositiveInt = 64  # concurrent env steps
-    policy: Policy = Policy.GROUP_COMPLETION
-    partial_rollout: bool = False
-    over_sampling: float = Field(1.0, ge=1.0)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True, validate_by_name=True)
+
+    # -- groups and concurrency -----------------------------------------------------------------------
+    n_samples_per_prompt: Annotated[PositiveInt, Slime("`--n-samples-per-prompt`"), FLAG] = 1
+    """Trajectories per prompt: a group, emitted once all its members have ended."""
+    max_inflight: Annotated[
+        PositiveInt,
+        Slime(
+            "the step's groups in flight (`--rollout-batch-size`, x over_sampling with partial rollout)"
+            " x n_samples_per_prompt",
+            fills=True,
+        ),
+        FLAG,
+    ] = 512
+    """Trajectories admitted and not yet ended, at most (never less than one group)."""
+    max_generating: Annotated[PositiveInt, Slime("`--sglang-server-concurrency` x engines", fills=True), FLAG] = 256
+    """Concurrent generate requests over all servers; a trajectory holds a slot only while its request runs."""
+    max_env_steps: Annotated[PositiveInt, FLAG] = 64
+    """Concurrent env steps; size it to what the env's backing service (sandbox, judge, tool) takes."""
+    policy: Annotated[Policy, FLAG] = Policy.GROUP_COMPLETION
+    """Which ready turn gets a free slot first: fifo, group_completion (fewest unfinished members) or oldest."""
+
+    # -- limits of a trajectory -----------------------------------------------------------------------
+    max_turns: Annotated[PositiveInt, Slime("`max_turns:` at the top of the custom config"), FLAG] = 6
+    """Turns (model replies) per trajectory; after the last one it ends with stop reason max_turns."""
+    max_tokens: Annotated[PositiveInt, Slime("`--rollout-max-response-len`"), FLAG] = 2048
+    """Response budget of a trajectory: generated plus observation tokens; it caps every request too."""
+    max_context_len: Annotated[PositiveInt | None, Slime("`--rollout-max-context-len`"), FLAG] = None
+    """The model's window, prompt plus response (none: no cap beyond max_tokens)."""
+
+    # -- sampling, per request ------------------------------------------------------------------------
+    max_new_tokens: Annotated[PositiveInt | None, FLAG] = None
+    """Per-turn cap: a turn cut there is closed with the end-of-turn token (mask 0) and the env still
+    answers it. None: a turn may use what is left of max_tokens, except on the local backend, where it is
+    48 (the tiny random-weight models seldom stop by themselves)."""
+    temperature: Annotated[float, Field(ge=0), Slime("`--rollout-temperature`"), FLAG] = 1.0
+    """Sampling temperature (0: greedy)."""
+    top_p: Annotated[float, Field(gt=0, le=1), Slime("`--rollout-top-p`"), FLAG] = 1.0
+    """Nucleus sampling's probability mass."""
+    top_k: Annotated[int, Slime("`--rollout-top-k`"), FLAG] = -1
+    """Sample among the k likeliest tokens (-1: all)."""
+    stop: Annotated[tuple[str, ...], Slime("`--rollout-stop`")] = ()
+    """Stop strings; a matched one stays in the reply."""
+    stop_token_ids: Annotated[tuple[int, ...], Slime("`--rollout-stop-token-ids`")] = ()
+    """Stop token ids (none given: the chat template's end-of-turn ids)."""
+    skip_special_tokens: Annotated[bool, Slime("`--rollout-skip-special-tokens`")] = True
+    """Decode replies without special tokens (the text the env reads)."""
+    min_new_tokens: NonNegativeInt = 0
+    """Tokens a request generates before it may stop."""
+    repetition_penalty: Annotated[float, Field(gt=0)] = 1.0
+    """SGLang's repetition penalty (1: none)."""
+    ignore_eos: bool = False
+    """Keep generating past the end-of-sequence token (for benchmarks)."""
+    sampling_seed_base: Annotated[
+        int | None, Slime("`--rollout-seed`, with `--sglang-enable-deterministic-inference`")
+    ] = None
+    """Per-request sampling seed = this + the trajectory's index in its group (SGLang; none: unseeded)."""
+    seed: Annotated[int, FLAG] = 0
+    """Seed of the engine's own randomness (retry jitter), the built-in prompts and the tiny models' weights."""
+
+    # -- partial rollout ------------------------------------------------------------------------------
+    partial_rollout: Annotated[bool, Slime("`--partial-rollout`")] = False
+    """A step returns once its target groups are done; the rest are paused, envs alive, and resume next step."""
+    over_sampling: Annotated[
+        float, Field(ge=1.0), Slime("`--over-sampling-batch-size` / `--rollout-batch-size`", fills=True)
+    ] = 1.0
+    """With partial rollout, groups kept in flight per group a step wants."""
     max_staleness: NonNegativeInt = 1
+    """Weight versions a resumed trajectory's tokens may lag; past it, on_stale applies."""
     on_stale: Literal["restart", "finish"] = "restart"
-    mask_offpolicy: bool = False
-    drop_zero_std: bool = False  # drop groups whose rewards are all equal (no learning signal)
-    limits: TurnLimits = TurnLimits()
-    sampling: SamplingParams = SamplingParams(max_new_tokens=1024)  # stop_token_ids default to the encoder's
+    """A trajectory past max_staleness is restarted from its prompt, or finished (aborted, tokens kept)."""
+    max_restarts: NonNegativeInt = 2
+    """Restarts for staleness per trajectory; past it, it ends aborted (stale)."""
+    mask_offpolicy: Annotated[bool, Slime("`--mask-offpolicy-in-partial-rollout`")] = False
+    """Zero the loss mask of tokens older than a trajectory's newest weight version."""
+
+    # -- outcomes -------------------------------------------------------------------------------------
+    max_failed_share: Annotated[float, Field(ge=0, le=1)] = 0.5
+    """A step whose share of failed trajectories is over this raises StepFailedError (none of it trains)."""
+    drop_zero_std: bool = False
+    """Drop groups whose rewards are all equal (no learning signal)."""
+    drift_check_every: NonNegativeInt = 0
+    """Re-render one finished trajectory in N and count where its tokens drift (0: never)."""
+
+    # -- retries and the breaker ----------------------------------------------------------------------
     retry: RetryPolicy = RetryPolicy()
-    breaker_threshold: float = Field(0.5, gt=0, le=1)
-    breaker_window_s: float = Field(30.0, gt=0)
+    """Retry budgets per error class, backoff and timeouts (the retry.* rows)."""
+    breaker_threshold: Annotated[float, Field(gt=0, le=1)] = 0.5
+    """Share of failed attempts (generate calls, env steps) in the window above which no prompt is admitted."""
+    breaker_window_s: Annotated[float, Field(gt=0)] = 30.0
+    """The breaker's sliding window, seconds."""
     breaker_min_attempts: PositiveInt = 20
-    drift_check_every: NonNegativeInt = 0  # re-render 1 finished trajectory in N and count drift (0: never)
-    metrics_host: str = "127.0.0.1"
-    metrics_port: int | None = None  # serve Prometheus /metrics here (0: any free port; None: not at all)
-    seed: int = 0
-    sampling_seed_base: int | None = None  # per-request sampling seed = this + index in group (SGLang)
+    """Attempts in the window before the breaker may open."""
 
+    # -- metrics --------------------------------------------------------------------------------------
+    metrics_host: Annotated[str, FLAG] = "127.0.0.1"
+    """Address Prometheus /metrics is served on."""
+    metrics_port: Annotated[int | None, Field(ge=0, le=65535), FLAG] = None
+    """Port of Prometheus /metrics (0: any free port; none: not served)."""
 
-class BackendConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    kind: Literal["local", "sglang"] = "local"
-    model: str = "tiny-qwen2"  # local: a tiny model name or a saved model's directory
-    url: str | None = None  # sglang: the server (or sglang-router) URL; several, comma-separated, form a pool
-    timeout: float = 600.0
-    max_batch_size: PositiveInt = 64
-
-    @model_validator(mode="after")
-    def _url_for_sglang(self) -> BackendConfig:
-        if self.kind == "sglang" and not self.url:
-            raise ValueError("backend kind 'sglang' needs a url (e.g. http://127.0.0.1:30000)")
-        return self
-
-
-class RunConfig(BaseModel):
-    """What `turnstile run` does: which model and env, and the limits of each trajectory."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
-
-    tokenizer: str = "qwen2.5"
-    chat_template: str | None = None  # Jinja text or a .jinja file replacing the tokenizer's
-    vision: bool = False  # a VLM: the Qwen2.5-VL processor, images in prompts and observations
-    env_path: str = Field(
-        "engine.envs.arith", validation_alias=AliasChoices("env_path", "rollout_interaction_env_path")
-    )
-    env_step_timeout: float | None = 60.0
-    max_turns: PositiveInt = 6
-    max_tokens: PositiveInt = 1024  # response budget per trajectory (generated + observation tokens)
-    max_new_tokens: PositiveInt = 64  # per turn
-    max_context_len: PositiveInt | None = None
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = -1
-    n_samples_per_prompt: PositiveInt = 1
-    max_inflight: PositiveInt = 64  # trajectories admitted and not yet ended
-    max_generating: PositiveInt = 32  # concurrent generate requests
-    max_env_steps: PositiveInt = 16  # concurrent env steps
-    policy: Policy = Policy.GROUP_COMPLETION
-    retry: RetryPolicy = RetryPolicy()
-    metrics_port: int | None = None  # serve Prometheus /metrics on 127.0.0.1:<port> while running
-    log_level: Literal["debug", "info", "warning", "error"] = "warning"  # turn and trajectory events
-    log_sample: float = Field(1.0, gt=0, le=1)  # share of turn events written
-    seed: int = 0
-    backend: BackendConfig = BackendConfig()
-
+    @model_validator(mode="before")
     @classmethod
-    def from_yaml(cls, path: str | Path, **overrides: Any) -> RunConfig:
-        data = yaml.safe_load(Path(path).read_text()) or {}
-        if not isinstance(data, dict):
-            raise ValueError(f"{path}: expected a mapping of settings, got {type(data).__name__}")
-        return cls.model_validate({**data, **overrides})
+    def _unpack(cls, data: Any) -> Any:
+        """`limits=TurnLimits(...)` and `sampling=SamplingParams(...)`, as their knobs."""
+        if not isinstance(data, Mapping) or not ({"limits", "sampling"} & data.keys()):
+            return data
+        data = dict(data)
+        for key, kind, names in (("limits", TurnLimits, _LIMITS), ("sampling", SamplingParams, _SAMPLING)):
+            if key not in data:
+                continue
+            value = data.pop(key)
+            if not isinstance(value, kind):
+                raise ValueError(f"{key}: give a {kind.__name__}, or its fields ({', '.join(names)}) as settings")
+            if getattr(value, "sampling_seed", None) is not None:
+                raise ValueError("sampling: a per-request sampling_seed is not a setting; set sampling_seed_base")
+            both = sorted(set(names) & data.keys())
+            if both:
+                raise ValueError(f"{key} and {', '.join(both)} both given: give one or the other")
+            data.update({name: getattr(value, name) for name in names})
+        return data
 
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
+        """A copy with `update` applied, validated like a new config (`update` may give `limits` or
+        `sampling` objects, as the constructor takes them)."""
+        base = super().model_copy(deep=deep)
+        if not update:
+            return base
+        kept = {name: getattr(base, name) for name in type(self).model_fields}
+        return self.model_validate({**kept, **type(self)._unpack(dict(update))})
+
+    @property
     def limits(self) -> TurnLimits:
+        """The limits every trajectory runs under."""
         return TurnLimits(max_turns=self.max_turns, max_tokens=self.max_tokens, max_context_len=self.max_context_len)
 
-    def sampling(self, stop_token_ids: tuple[int, ...]) -> SamplingParams:
-        return SamplingParams(
-            max_new_tokens=self.max_new_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            stop_token_ids=stop_token_ids,
-        )
+    @property
+    def sampling(self) -> SamplingParams:
+        """Every request's sampling; `max_new_tokens` is the per-turn cap as resolved (`turn_cap`)."""
+        values = {name: getattr(self, name) for name in _SAMPLING if name != "max_new_tokens"}
+        return SamplingParams(max_new_tokens=self.turn_cap, **values)
 
-    def engine(self, stop_token_ids: tuple[int, ...]) -> EngineConfig:
-        return EngineConfig(
-            n_samples_per_prompt=self.n_samples_per_prompt,
+    @property
+    def turn_cap(self) -> int:
+        """The per-turn cap: max_new_tokens, or (unset) what is left of max_tokens."""
+        return self.max_new_tokens or self.max_tokens
+
+
+class Settings(EngineConfig):
+    """A whole run's settings: the engine's, and the env, tokenizer, backend and logs around it.
+    `engine_config()` is the engine's part."""
+
+    # -- env, tokenizer, model ------------------------------------------------------------------------
+    env_path: Annotated[
+        str,
+        Field(validation_alias=AliasChoices("env_path", "rollout_interaction_env_path")),
+        Slime("`rollout_interaction_env_path:` at the top of the custom config"),
+        FLAG,
+    ] = "engine.envs.arith"
+    """The env module (dotted path or .py file) exposing build_env; `rollout_interaction_env_path` in YAML too."""
+    tokenizer: Annotated[str, Slime("`--hf-checkpoint`"), FLAG] = "qwen2.5"
+    """A Hugging Face tokenizer directory, or the embedded Qwen tokenizer "qwen2.5"."""
+    chat_template: Annotated[str | None, Only("run"), FLAG] = None
+    """Jinja text, or a .jinja file, replacing the tokenizer's chat template."""
+    chat_template_kwargs: Annotated[dict[str, Any], Slime("`--apply-chat-template-kwargs`")] = {}
+    """Keyword arguments of the chat template (Qwen3's enable_thinking), for the prompt and every observation."""
+    vision: Annotated[bool, FLAG] = False
+    """A VLM: the Qwen2.5-VL processor, images in prompts and observations."""
+
+    # -- backend --------------------------------------------------------------------------------------
+    backend: Annotated[
+        Literal["local", "sglang"] | None, Slime("`--sglang-router-ip` / `--sglang-router-port`"), FLAG
+    ] = None
+    """local (a model in this process) or sglang (SGLang servers, or an sglang-router, at url); unset:
+    sglang when url is given, else local."""
+    url: Annotated[str | None, Slime("`--sglang-router-ip` / `--sglang-router-port`"), FLAG] = None
+    """SGLang server or sglang-router URL; several, comma-separated, form a pool."""
+    model: Annotated[str, FLAG] = "tiny-qwen2"
+    """Local backend: a tiny model name or a saved model's directory (with vision, tiny-qwen2 means tiny-qwen2.5-vl)."""
+    request_timeout_s: Annotated[float, Field(gt=0), Only("run")] = 600.0
+    """SGLang backend: seconds a generate request may take."""
+    max_batch_size: Annotated[PositiveInt, Only("run")] = 64
+    """Local backend: requests batched into one forward pass, at most."""
+
+    # -- logs -----------------------------------------------------------------------------------------
+    log_level: Annotated[Literal["debug", "info", "warning", "error"], Only("run"), FLAG] = "warning"
+    """Level of the turn and trajectory events (structlog; JSON lines when not on a terminal)."""
+    log_sample: Annotated[float, Field(gt=0, le=1), Only("run"), FLAG] = 1.0
+    """Share of turn events written."""
+
+    # -- slime --------------------------------------------------------------------------------------
+    target_groups: Annotated[PositiveInt, Slime("`--rollout-batch-size`"), Only("slime")] = 2
+    """Groups a step returns."""
+    num_gpus: Annotated[NonNegativeInt | None, Slime("`--rollout-num-gpus`"), Only("slime")] = None
+    """Rollout GPUs, dividing the per-GPU throughput metrics (none or 0: no per-GPU metrics)."""
+    ray_actor: Annotated[str | None, Only("slime")] = None
+    """Host the engine in this named, detached Ray actor (none: in slime's rollout process)."""
+
+    @model_validator(mode="after")
+    def _backend_and_url(self) -> Self:
+        if self.backend == "sglang" and not self.url:
+            raise ValueError("backend kind 'sglang' needs a url (e.g. http://127.0.0.1:30000)")
+        if self.backend == "local" and self.url:
+            raise ValueError(f"url {self.url} is for the sglang backend, not the local one")
+        for url in (self.url or "").split(","):
+            if url.strip() and not url.strip().startswith(("http://", "https://")):
+                raise ValueError(f"url {url.strip()!r}: give it as http://host:port (or https://)")
+        return self
+
+    @property
+    def backend_kind(self) -> Literal["local", "sglang"]:
+        return self.backend or ("sglang" if self.url else "local")
+
+    @property
+    def local_model(self) -> str:
+        """The local backend's model: `model`, or the tiny VLM for a vision run on the tiny text model."""
+        return "tiny-qwen2.5-vl" if self.vision and self.model == "tiny-qwen2" else self.model
+
+    @property
+    def turn_cap(self) -> int:
+        if self.max_new_tokens is None and self.backend_kind == "local":
+            return min(self.max_tokens, EMBEDDED_TURN_TOKENS)
+        return super().turn_cap
+
+    def engine_config(self, stop_token_ids: tuple[int, ...] = ()) -> EngineConfig:
+        """The engine's part, the per-turn cap resolved; `stop_token_ids` (the chat template's end-of-turn
+        ids) apply when no stop_token_ids are set."""
+        values = {name: getattr(self, name) for name in EngineConfig.model_fields}
+        values.update(
+            max_new_tokens=self.turn_cap,
+            stop_token_ids=self.stop_token_ids or tuple(stop_token_ids),
             max_inflight=max(self.max_inflight, self.n_samples_per_prompt),
-            max_generating=self.max_generating,
-            max_env_steps=self.max_env_steps,
-            policy=self.policy,
-            limits=self.limits(),
-            sampling=self.sampling(stop_token_ids),
-            retry=self.retry,
-            metrics_port=self.metrics_port,
-            seed=self.seed,
         )
+        return EngineConfig.model_validate(values)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> Self:
+        """`turnstile run --config`: a YAML mapping of knobs, slime's flat key names included."""
+        return cls.model_validate(read_yaml(path, cls, "run"))
+
+
+# -- reading keys -------------------------------------------------------------------------------------
+
+
+def key_names(model: type[BaseModel]) -> dict[str, str]:
+    """Every key a mapping may name a knob of `model` by (its name, and aliases), to the knob's name."""
+    names = {}
+    for name, field in model.model_fields.items():
+        names[name] = name
+        if isinstance(field.validation_alias, AliasChoices):
+            names.update({alias: name for alias in field.validation_alias.choices if isinstance(alias, str)})
+    return names
+
+
+def refusal(model: type[BaseModel], key: str, reader: Reader) -> str | None:
+    """Why `reader` does not take `key` ("run": `turnstile run`'s YAML; "slime": the `turnstile:`
+    section), or None when it does."""
+    if key in MOVED:
+        return f"now {MOVED[key]}"
+    names = key_names(model)
+    if key not in names:
+        close = difflib.get_close_matches(key, names, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        return f"not a setting{hint}; docs/settings.md lists them"
+    field = model.model_fields[names[key]]
+    only, slime = marker(field, Only), marker(field, Slime)
+    if only is not None and only.reader != reader:
+        return "read by `turnstile run` only" if only.reader == "run" else "read under slime only"
+    if reader == "slime" and slime is not None and not slime.fills:
+        return f"set by slime's {slime.source}; set that instead"
+    return None
+
+
+def read_yaml(path: str | Path, model: type[BaseModel], reader: Reader) -> dict[str, Any]:
+    """The mapping in the YAML file at `path`, each key checked (`refusal`); values are checked when
+    the model is built."""
+    return checked(load_yaml(path) or {}, model, reader, where=str(path), key_prefix=f"{path}: ")
+
+
+def load_yaml(path: str | Path) -> Any:
+    """The document in the YAML file at `path`; a ValueError naming the file, line and column if it is not YAML."""
+    try:
+        return yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        why = getattr(exc, "problem", None) or " ".join(str(exc).split())
+        raise ValueError(f"{path}: not valid YAML{where}: {why}") from exc
+
+
+def checked(data: Any, model: type[BaseModel], reader: Reader, *, where: str, key_prefix: str) -> dict[str, Any]:
+    """`data` as a dict of knobs of `model`, or one ValueError naming the first key `reader` refuses
+    (as `key_prefix` + the key) and why."""
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{where}: expected a mapping of settings, got {type(data).__name__}")
+    for key in data:
+        why = refusal(model, str(key), reader)
+        if why is not None:
+            raise ValueError(f"{key_prefix}{key}: {why}")
+    return dict(data)
+
+
+# -- the table of docs/settings.md --------------------------------------------------------------------
+
+
+def _default(value: Any) -> str:
+    if isinstance(value, Enum):
+        value = value.value
+    if isinstance(value, BaseModel):
+        return "see below"
+    if isinstance(value, Mapping):
+        return ", ".join(f"{getattr(k, 'value', k)}: {v}" for k, v in value.items()) or "{}"
+    if isinstance(value, tuple):
+        return "()" if not value else ", ".join(map(str, value))
+    return "none" if value is None else json.dumps(value) if isinstance(value, bool) else str(value)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _rows() -> list[tuple[str, str, str, str, str]]:
+    rows = []
+    for name, field in Settings.model_fields.items():
+        if name == "retry":
+            for sub, inner in RetryPolicy.model_fields.items():
+                default = inner.default_factory() if inner.default_factory else inner.default  # type: ignore[call-arg]
+                flag = f"`--{RETRY_FLAGS[sub]}`, YAML" if sub in RETRY_FLAGS else "YAML"
+                rows.append((f"retry.{sub}", _default(default), flag, f"`turnstile.retry.{sub}`", inner.description))
+            continue
+        only, slime = marker(field, Only), marker(field, Slime)
+        run = "—" if only and only.reader == "slime" else (f"`{_flag(name)}`, YAML" if marker(field, Flag) else "YAML")
+        if only and only.reader == "run":
+            under = "—"
+        elif slime is not None and slime.fills:
+            under = f"`turnstile.{name}`; unset: {slime.source}"
+        elif slime is not None:
+            under = slime.source
+        else:
+            under = f"`turnstile.{name}`"
+        rows.append((name, _default(field.default), run, under, field.description or ""))
+    return rows
+
+
+def markdown_table() -> str:
+    """Every knob as a GitHub markdown table: name, default, how `turnstile run` and slime set it, description."""
+    lines = ["| setting | default | `turnstile run` | under slime | description |", "|---|---|---|---|---|"]
+    for name, default, run, under, description in _rows():
+        text = " ".join(description.split()).replace("|", "\\|")
+        lines.append(f"| `{name}` | `{default}` | {run} | {under} | {text} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown_table(), end="")

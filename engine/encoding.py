@@ -20,16 +20,34 @@ names the first turn where the two differ.
     encoder = ChatEncoder(tokenizer)                       # or ChatEncoder(processor.tokenizer, processor=processor)
     prompt = encoder.encode_prompt(messages)               # Encoded(token_ids, image_data, train_inputs)
     obs = encoder.encode_observation({"role": "user", "content": "Wrong, try again."})
+
+From the event loop, call the async variants: `await encoder.aencode_prompt(...)`,
+`await encoder.aencode_observation(message)`, `await encoder.adrift_check(trajectory)`. Each runs its
+sync twin in a worker thread when the work is heavy (images: decoding, the processor, PNG encoding,
+all of which release the GIL; or text past `INLINE_MAX_CHARS`, whose tokenization does too), inline
+otherwise, where a thread hop (about 65 us) would cost more than it frees. Results, and exceptions,
+are the sync twin's.
+
+Thread-safety (checked against transformers 5.24, tokenizers 0.23, Jinja2 3.1): one encoder may run in
+several threads at once. A fast tokenizer's encode only reads the Rust tokenizer as long as nobody changes
+its truncation or padding settings (the encoder never does, and its constructor makes the one call that
+settles them); the processor and the image processor keep no state across calls; transformers compiles a
+chat template once (an lru_cache) and Jinja renders a compiled template without shared state (the
+assistant-mask tracker lives in a ContextVar). The encoder's own caches (dummy-prefix cut per role, tool
+variants, image payloads) are filled idempotently or under a lock.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
+import anyio
+
 from engine.errors import ObservationError
-from engine.multimodal import image_payload, load_image
+from engine.multimodal import ImagePayloads, load_image
 
 if TYPE_CHECKING:
     from engine.trajectory import Trajectory
@@ -40,6 +58,12 @@ DUMMY_MESSAGES = (
     {"role": "user", "content": "I am a user."},
     {"role": "assistant", "content": ASSISTANT_SENTINEL},
 )
+# Text up to this many characters is encoded on the event loop by the async variants: below it the thread
+# hop costs more loop time than the tokenizer's share of the work frees (benchmarks/payloads.py measures it).
+INLINE_MAX_CHARS = 4096
+CHARS_PER_TOKEN = 4  # about, for English text: a drift check of INLINE_MAX_CHARS / 4 tokens runs inline
+# Images shared by every encoder that is not given its own cache.
+SHARED_PAYLOADS = ImagePayloads()
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,11 +111,13 @@ class ChatEncoder:
         processor: Any = None,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        payloads: ImagePayloads | None = None,
     ):
         self.tokenizer = tokenizer
         self.processor = processor
         self.tools = tools
         self.template_kwargs = dict(chat_template_kwargs or {})
+        self.payloads = SHARED_PAYLOADS if payloads is None else payloads  # image -> backend payload, encoded once
         self._renderer = processor if processor is not None else tokenizer
         if not getattr(self._renderer, "chat_template", None):
             name = getattr(tokenizer, "name_or_path", None) or type(tokenizer).__name__
@@ -120,7 +146,11 @@ class ChatEncoder:
         key = json.dumps(tools, sort_keys=True, default=str)
         if key not in self._with_tools:
             self._with_tools[key] = ChatEncoder(
-                self.tokenizer, processor=self.processor, tools=tools, chat_template_kwargs=self.template_kwargs
+                self.tokenizer,
+                processor=self.processor,
+                tools=tools,
+                chat_template_kwargs=self.template_kwargs,
+                payloads=self.payloads,
             )
         return self._with_tools[key]
 
@@ -147,7 +177,7 @@ class ChatEncoder:
         """The tokens that follow the model's end-of-turn token: separator, the observation, the next
         generation prompt."""
         text = self.render([*DUMMY_MESSAGES, message], add_generation_prompt=True)
-        prefix = self._prefix_for(message.get("role", "user"))
+        prefix = self._prefix_for(message)
         if not text.startswith(prefix):  # the template renders the dummy turns differently for this message
             prefix = text[: self._cut(text)]
         return self._encode_text(text[len(prefix) :], _images_of([message]))
@@ -187,6 +217,7 @@ class ChatEncoder:
         render = self._encode_text(
             self.render(messages, add_generation_prompt=ends_with_observation or not trajectory.turns),
             _images_of(messages),
+            payloads=False,  # the token ids are compared; the backend's copies of the images are not needed
         ).token_ids
         actual = trajectory.tokens.tolist()
         position = next((i for i, (a, b) in enumerate(zip(actual, render, strict=False)) if a != b), None)
@@ -205,6 +236,35 @@ class ChatEncoder:
             actual=self.tokenizer.decode(actual[window], skip_special_tokens=False),
         )
 
+    # -- from the event loop -----------------------------------------------------------------------------
+    async def aencode_prompt(
+        self,
+        prompt: list[dict[str, Any]] | str,
+        images: list[Any] | None = None,
+        *,
+        limiter: anyio.CapacityLimiter | None = None,
+    ) -> Encoded:
+        """`encode_prompt`, in a worker thread (of `limiter`, default anyio's) when the prompt holds images or
+        long text, inline otherwise."""
+        call = partial(self.encode_prompt, prompt, images)
+        heavy = bool(images) or (_is_heavy(prompt) if isinstance(prompt, str) else _is_heavy(*prompt))
+        return await _run(call, heavy, limiter)
+
+    async def aencode_observation(
+        self, message: dict[str, Any], *, limiter: anyio.CapacityLimiter | None = None
+    ) -> Encoded:
+        """`encode_observation`, in a worker thread (of `limiter`, default anyio's) when the message holds
+        images or long text, inline otherwise."""
+        return await _run(partial(self.encode_observation, message), _is_heavy(message), limiter)
+
+    async def adrift_check(
+        self, trajectory: Trajectory, *, limiter: anyio.CapacityLimiter | None = None
+    ) -> DriftReport:
+        """`drift_check`, in a worker thread (of `limiter`, default anyio's) unless the trajectory is short and
+        has no images: it re-renders and re-tokenizes the whole conversation."""
+        heavy = bool(trajectory.image_data) or len(trajectory.tokens) > INLINE_MAX_CHARS // CHARS_PER_TOKEN
+        return await _run(partial(self.drift_check, trajectory), heavy, limiter)
+
     # -- internals ------------------------------------------------------------------------------------
     def _find_end_of_turn(self) -> tuple[int, str]:
         """The added token the template writes right after an assistant message's content."""
@@ -222,9 +282,13 @@ class ChatEncoder:
             )
         return first[0], token
 
-    def _prefix_for(self, role: str) -> str:
+    def _prefix_for(self, message: dict[str, Any]) -> str:
+        """The rendered dummy turns before a message of this role, found once per role by rendering one
+        like it (its own fields, a stand-in content: templates check fields such as a tool call's id)."""
+        role = message.get("role", "user")
         if role not in self._prefix:
-            text = self.render([*DUMMY_MESSAGES, {"role": role, "content": "x"}], add_generation_prompt=True)
+            probe = {**message, "content": "x"}
+            text = self.render([*DUMMY_MESSAGES, probe], add_generation_prompt=True)
             self._prefix[role] = text[: self._cut(text)]
         return self._prefix[role]
 
@@ -252,14 +316,43 @@ class ChatEncoder:
             out.append(message)
         return out
 
-    def _encode_text(self, text: str, images: list[Any]) -> Encoded:
+    def _encode_text(self, text: str, images: list[Any], *, payloads: bool = True) -> Encoded:
         if self.processor is None:
             return Encoded(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         pil_images = [load_image(image, what=f"image {i + 1} of {len(images)}") for i, image in enumerate(images)]
         outputs = self.processor(text=[text], images=pil_images or None, return_tensors="pt")
         token_ids = outputs["input_ids"][0].tolist()
         train_inputs = {k: v for k, v in outputs.items() if k not in ("input_ids", "attention_mask")}
-        return Encoded(token_ids, [image_payload(image) for image in pil_images], train_inputs if pil_images else None)
+        image_data = [self.payloads(image) for image in pil_images] if payloads else []
+        return Encoded(token_ids, image_data, train_inputs if pil_images else None)
+
+
+async def _run(call: Any, heavy: bool, limiter: anyio.CapacityLimiter | None) -> Any:
+    return await anyio.to_thread.run_sync(call, limiter=limiter) if heavy else call()
+
+
+def _is_heavy(*parts: Any) -> bool:
+    """Whether encoding these (a rendered prompt, or chat messages) is worth a worker thread: any image, or more
+    than INLINE_MAX_CHARS of text."""
+    chars = 0
+    for part in parts:
+        if isinstance(part, str):
+            chars += len(part)
+            continue
+        content = part.get("content") if isinstance(part, dict) else None
+        if isinstance(content, str):
+            chars += len(content)
+        elif isinstance(content, list):
+            for item in content:
+                if not isinstance(item, dict):
+                    continue
+                if item.get("type") == "image" or "image" in item:
+                    return True
+                text = item.get("text")
+                chars += len(text) if isinstance(text, str) else 0
+        if chars > INLINE_MAX_CHARS:
+            return True
+    return chars > INLINE_MAX_CHARS
 
 
 def _images_of(messages: list[dict[str, Any]]) -> list[Any]:

@@ -14,6 +14,7 @@ pauses the rest, which resume first in the next step with their envs and turn st
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import time
@@ -21,16 +22,17 @@ from collections import Counter, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from engine.backends.base import Backend
+from engine.backends.base import Backend, SamplingParams
 from engine.config import EngineConfig
 from engine.encoding import ChatEncoder
 from engine.envs.base import EnvRunner
-from engine.envs.loader import EnvLoadError, EnvSample
-from engine.errors import RewardError
+from engine.envs.loader import EnvSample
+from engine.errors import FilterError, InternalError, ObservationError, RewardError, TurnError
 from engine.metrics.events import Observer
 from engine.metrics.recorder import MetricsRecorder
 from engine.metrics.summary import step_summary
@@ -38,9 +40,9 @@ from engine.scheduler.partial import mask_offpolicy
 from engine.scheduler.queue import SchedulerStatistics
 from engine.scheduler.retry import CircuitBreaker, RetryBudget
 from engine.scheduler.scheduler import SCORED, Scheduler, maybe_await
+from engine.scheduler.signals import Broadcast
 from engine.source import PromptSource, RowSource
-from engine.trajectory import Group, Trajectory
-from engine.turn import record_failure
+from engine.trajectory import Group, Status, StopReason, Trajectory
 
 if TYPE_CHECKING:
     from engine.metrics.prometheus import MetricsExporter
@@ -56,6 +58,33 @@ class Verdict:
     keep: bool
     reason: str | None = None
     keep_when_insufficient: bool = False
+
+
+class StepFailedError(RuntimeError):
+    """A step whose share of FAILED trajectories passed `max_failed_share`: none of it goes to training.
+    The step's groups are on the error (`groups`), so nothing is lost; the message names the top error
+    classes with an example of each."""
+
+    def __init__(self, message: str, groups: list[Group]):
+        super().__init__(message)
+        self.groups = groups
+
+    @classmethod
+    def check(cls, groups: list[Group], bound: float) -> None:
+        trajectories = [t for g in groups for t in g.trajectories]
+        failed = [t for t in trajectories if t.status is Status.FAILED]
+        if not trajectories or len(failed) <= bound * len(trajectories):
+            return
+        last_errors = [t.errors[-1] for t in failed if t.errors]
+        classes = Counter(str(e.error_class) for e in last_errors).most_common(3)
+        example = {str(e.error_class): e.message for e in reversed(last_errors)}
+        top = "; ".join(f"{cls_} x{n} (e.g. {example[cls_]!r})" for cls_, n in classes)
+        raise cls(
+            f"{len(failed)} of {len(trajectories)} trajectories of the step FAILED "
+            f"({len(failed) / len(trajectories):.0%}, more than max_failed_share {bound:.0%}); "
+            f"top error classes: {top or 'none recorded'}",
+            groups,
+        )
 
 
 # A group filter: a reason to drop the group (or None to keep it), or a Verdict; sync or async.
@@ -116,7 +145,8 @@ class RolloutEngine:
                 min_attempts=config.breaker_min_attempts,
             ),
             max_generating=config.max_generating, max_env_steps=config.max_env_steps, policy=config.policy,
-            max_staleness=config.max_staleness, on_stale=config.on_stale, group_left=self._group_left,
+            max_staleness=config.max_staleness, on_stale=config.on_stale, max_restarts=config.max_restarts,
+            group_left=self._group_left,
             reward_fn=None if group_reward_fn is not None else reward_fn, observers=self.observers,
             seed=config.seed, seed_base=config.sampling_seed_base,
         )  # fmt: skip
@@ -133,7 +163,8 @@ class RolloutEngine:
         self._counts: Counter[str] = Counter()
         self._num_inflight = 0
         self._exhausted = False
-        self._changed = anyio.Event()
+        self._changed = Broadcast()  # a trajectory ended, or a group finished
+        self._group_ids = itertools.count()  # one space for the engine's groups and `run_one`'s trajectories
 
     async def __aenter__(self) -> RolloutEngine:
         self._stack = AsyncExitStack()
@@ -181,6 +212,7 @@ class RolloutEngine:
         self.last_step_summary = step_summary(
             groups, rollout_time=seconds, clock=self.scheduler.clock, after=self.statistics(), before=before
         )
+        StepFailedError.check(groups, self.config.max_failed_share)
         return groups
 
     async def stream(self) -> AsyncIterator[Group]:
@@ -269,7 +301,7 @@ class RolloutEngine:
             self._start(rows[0])
 
     def _start(self, row: dict[str, Any]) -> None:
-        group_id = self._counts["admitted"]
+        group_id = next(self._group_ids)
         self._counts["admitted"] += 1
         metadata = row.get("metadata") or {}
         images = list(row.get("images") or [])  # for a prompt given as rendered text
@@ -283,14 +315,20 @@ class RolloutEngine:
             self._tasks.start_soon(self._run, group, trajectory)
 
     def _rerun_stale(self) -> None:
+        """Ended members not yet returned whose tokens are now too old run again, within their restarts;
+        those whose restarts are spent end STALE (returned, not trained on)."""
         too_old = lambda t: t.status in SCORED and self.scheduler.clock.staleness(t) > self.config.max_staleness  # noqa: E731
-        for group in [g for g in self._done if any(too_old(t) for t in g.trajectories)]:
-            self._done.remove(group)  # back in flight until its stale members have run again
-            self._open[group.group_id] = group
-        for group in list(self._open.values()):
-            for index, trajectory in enumerate(group.trajectories):
-                if too_old(trajectory):
-                    self._rerun(group, index)
+        for group in [*self._done, *self._open.values()]:
+            stale = [i for i, t in enumerate(group.trajectories) if too_old(t)]
+            rerun = [i for i in stale if self.scheduler.may_restart(group.trajectories[i])]
+            for index in set(stale) - set(rerun):
+                group.trajectories[index].abort_after_end(StopReason.STALE)
+                self.scheduler.count_finished_stale()
+            if rerun and group in self._done:
+                self._done.remove(group)  # back in flight until its stale members have run again
+                self._open[group.group_id] = group
+            for index in rerun:
+                self._rerun(group, index)
 
     def _rerun(self, group: Group, index: int) -> None:
         """Replace an ended member with a fresh run of the same prompt (its tokens are discarded)."""
@@ -310,21 +348,52 @@ class RolloutEngine:
         self._tasks.start_soon(self._run, group, fresh)
 
     async def _run(self, group: Group, trajectory: Trajectory) -> None:
+        sample = EnvSample.from_row(group.row, index=trajectory.index, group_index=group.group_id)
         try:
-            sample = EnvSample.from_row(group.row, index=trajectory.index, group_index=group.group_id)
-            try:
-                env = self.env_factory(sample)
-            except EnvLoadError as exc:  # build_env failed for this sample: this trajectory fails
-                trajectory.finish(record_failure(trajectory, exc))
-            else:
-                await self.scheduler.drive(trajectory, env)
-                self._maybe_check_drift(trajectory)
+            await self.scheduler.drive(trajectory, partial(self._build_env, sample))
+            await self._maybe_check_drift(trajectory)
         finally:
             self._num_inflight -= 1
         self._settled.add(trajectory.id)  # ended and scored
         if all(t.id in self._settled for t in group.trajectories):  # the last one scores the group, emits it
-            await self._finish_group(group, trajectory)
-        self._changed.set()
+            try:
+                await self._finish_group(group, trajectory)
+            except Exception as exc:  # noqa: BLE001 -- a bug here must not lose the group or stop the engine
+                log.error("finishing group %d failed; its members fail", group.group_id, exc_info=exc)
+                self._fail_group(group, InternalError.of(exc, f"finishing group {group.group_id}"))
+        self._changed.notify()
+
+    async def _build_env(self, sample: Any) -> EnvRunner:
+        """The env of one trajectory; a factory that may block (a user's `build_env`, which often creates a
+        remote sandbox) builds it in a worker thread."""
+        if getattr(self.env_factory, "blocking", False):
+            return await anyio.to_thread.run_sync(self.env_factory, sample)
+        return self.env_factory(sample)
+
+    async def run_one(
+        self, trajectory: Trajectory, sample: Any, sampling: SamplingParams | None = None, *, end_on_abort: bool = True
+    ) -> Trajectory:
+        """Run one trajectory of the caller's (slime's custom generate function: one Sample at a time) on
+        this engine: its slots, retries and metrics, counted in flight, a group id of its own, ended
+        ABORTED with the engine. The env is built from `sample`. A request aborted by someone else (slime
+        aborts every request at the end of its step) ends it ABORTED, its tokens kept; not scored here."""
+        trajectory.group_id = next(self._group_ids)
+        self._num_inflight += 1
+        done = anyio.Event()
+
+        async def run() -> None:
+            try:
+                await self.scheduler.drive(
+                    trajectory, partial(self._build_env, sample), sampling, score=False, end_on_abort=end_on_abort
+                )
+            finally:
+                self._num_inflight -= 1
+                done.set()
+                self._changed.notify()
+
+        self._tasks.start_soon(run)
+        await done.wait()
+        return trajectory
 
     async def _finish_group(self, group: Group, last: Trajectory) -> None:
         members = list(group.trajectories)
@@ -338,6 +407,9 @@ class RolloutEngine:
                 mask_offpolicy(trajectory, self.scheduler.clock)
         verdict = await self._verdict(group)  # the group stays open (held) until it is done or dropped
         if group.trajectories != members:
+            return
+        if isinstance(verdict, FilterError):  # kept, its members failed: nothing is lost, nothing trained on
+            self._fail_group(group, verdict)
             return
         del self._open[group.group_id]
         self._settled.difference_update(t.id for t in members)
@@ -375,38 +447,64 @@ class RolloutEngine:
         for trajectory, reward in zip(members, rewards, strict=True):
             trajectory.reward = reward
 
-    async def _verdict(self, group: Group) -> Verdict:
-        """Whether to keep a finished group: the filter's answer (a filter that raises keeps the group and
-        logs why), with slime's rule for `keep_when_insufficient`."""
+    def _fail_group(self, group: Group, error: TurnError) -> None:
+        """The group is returned with every member that has not failed yet FAILED by `error` (still-running
+        members included, when a bug struck: they end ABORTED with the engine later, unreturned)."""
+        for trajectory in group.trajectories:
+            if trajectory.status in SCORED:
+                trajectory.fail_after_end(error.record(len(trajectory.turns)))
+        if self._open.pop(group.group_id, None) is not None:
+            self._settled.difference_update(t.id for t in group.trajectories)
+            self._done.append(group)
+
+    async def _verdict(self, group: Group) -> Verdict | FilterError:
+        """Whether to keep a finished group: the filter's answer, with slime's rule for
+        `keep_when_insufficient`; a filter that raises or answers out of shape gives a FILTER error."""
         if self.group_filter is None:
             return Verdict(keep=True)
         try:
             answer = await maybe_await(self.group_filter(group))
         except Exception as exc:  # noqa: BLE001 -- a broken filter must not lose the group or the step
-            log.warning("group filter raised %r for group %d; the group is kept", exc, group.group_id)
-            self._counts["filter_errors"] += 1
-            return Verdict(keep=True)
+            log.warning("group filter raised %r for group %d; its members fail", exc, group.group_id)
+            error = FilterError(f"the group filter raised {exc!r} for group {group.group_id}")
+            error.__cause__ = exc
+            return error
+        if not (answer is None or isinstance(answer, Verdict | str)):
+            return FilterError(
+                f"the group filter answered {answer!r} for group {group.group_id}: "
+                "expected a Verdict, a reason (str) or None"
+            )
         verdict = answer if isinstance(answer, Verdict) else Verdict(keep=answer is None, reason=answer)
         candidates = len(self._open) + len(self._done)  # groups this step can still return, this one too
         if not verdict.keep and verdict.keep_when_insufficient and candidates <= self._wanted:
             return Verdict(keep=True)
         return verdict
 
-    def _maybe_check_drift(self, trajectory: Trajectory) -> None:
-        """Every `drift_check_every`-th finished trajectory: compare it with a full re-render."""
+    async def _maybe_check_drift(self, trajectory: Trajectory) -> None:
+        """Every `drift_check_every`-th finished trajectory: compare it with a full re-render. A check that
+        raises (a template that cannot render the whole conversation) fails that trajectory."""
         every = self.config.drift_check_every
         if (
             not every
             or not trajectory.turns
             or isinstance(trajectory.prompt, str)
-            or not hasattr(self.encoder, "drift_check")
+            or not hasattr(self.encoder, "adrift_check")
         ):
             return
         self._counts["finished"] += 1
-        if self._counts["finished"] % every == 0:
-            report = self.encoder.drift_check(trajectory)
-            for observer in self.observers:
-                observer.drift_checked(trajectory, report)
+        if self._counts["finished"] % every:
+            return
+        try:
+            report = await self.encoder.adrift_check(trajectory)
+        except Exception as exc:  # noqa: BLE001 -- the trajectory's tokens cannot be checked: not trained on
+            error = ObservationError(f"the drift check could not re-render trajectory {trajectory.id}: {exc!r}")
+            if trajectory.status in SCORED:
+                trajectory.fail_after_end(error.record(len(trajectory.turns)))
+            else:
+                trajectory.errors.append(error.record(len(trajectory.turns)))
+            return
+        for observer in self.observers:
+            observer.drift_checked(trajectory, report)
 
     def _group_left(self, trajectory: Trajectory) -> int:
         group = self._open.get(trajectory.group_id)
@@ -414,9 +512,7 @@ class RolloutEngine:
 
     async def _wait_for_change(self) -> None:
         """Until a trajectory ends (or, with the breaker open, its window has moved on)."""
-        self._changed = anyio.Event()
-        with anyio.move_on_after(self.config.breaker_window_s if self.scheduler.breaker.is_open else None):
-            await self._changed.wait()
+        await self._changed.wait(self.config.breaker_window_s if self.scheduler.breaker.is_open else None)
 
 
 def _drop_zero_std(group: Group) -> str | None:

@@ -15,6 +15,8 @@ class Stage(StrEnum):
     ENV = "env"
     ENCODE = "encode"
     REWARD = "reward"
+    FILTER = "filter"
+    ENGINE = "engine"
 
 
 class ErrorClass(StrEnum):
@@ -30,8 +32,13 @@ class ErrorClass(StrEnum):
     ENV_RETRYABLE = "env_retryable"  # the env said so (raised EnvRetryableError)
     # encoding of an observation (an image that does not decode, a template that fails)
     BAD_OBSERVATION = "bad_observation"
+    BAD_PROMPT = "bad_prompt"  # a prompt row the template or the processor cannot encode
     # scoring a finished trajectory or group: the reward function raised or did not answer in time
     REWARD = "reward"
+    FILTER = "filter"  # the group filter raised: the group's members fail
+    # anything else that went wrong in handling one trajectory (a bug, or a user hook outside the
+    # classes above, e.g. a failing drift check or conversion): that trajectory fails, nothing else
+    INTERNAL = "internal"
 
 
 RETRYABLE = frozenset(
@@ -44,6 +51,20 @@ RETRYABLE = frozenset(
         ErrorClass.REWARD,
     }
 )
+
+
+def stage_of(error_class: ErrorClass) -> Stage:
+    """The stage an error class belongs to (the `stage` label of the retry metrics)."""
+    return _STAGE_OF_CLASS.get(error_class) or (Stage.ENV if error_class.value.startswith("env_") else Stage.BACKEND)
+
+
+_STAGE_OF_CLASS = {
+    ErrorClass.BAD_OBSERVATION: Stage.ENCODE,
+    ErrorClass.BAD_PROMPT: Stage.ENCODE,
+    ErrorClass.REWARD: Stage.REWARD,
+    ErrorClass.FILTER: Stage.FILTER,
+    ErrorClass.INTERNAL: Stage.ENGINE,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,11 +122,41 @@ class ObservationError(TurnError):
         super().__init__(ErrorClass.BAD_OBSERVATION, message)
 
 
+class PromptError(TurnError):
+    stage = Stage.ENCODE
+
+    def __init__(self, message: str):
+        super().__init__(ErrorClass.BAD_PROMPT, message)
+
+
 class RewardError(TurnError):
     stage = Stage.REWARD
 
     def __init__(self, message: str):
         super().__init__(ErrorClass.REWARD, message)
+
+
+class FilterError(TurnError):
+    stage = Stage.FILTER
+
+    def __init__(self, message: str):
+        super().__init__(ErrorClass.FILTER, message)
+
+
+class InternalError(TurnError):
+    """An exception outside the classes above, raised while handling one trajectory: kept as data on that
+    trajectory (its type and message), which fails; the engine and the other trajectories go on."""
+
+    stage = Stage.ENGINE
+
+    def __init__(self, message: str):
+        super().__init__(ErrorClass.INTERNAL, message)
+
+    @classmethod
+    def of(cls, exc: BaseException, doing: str) -> InternalError:
+        error = cls(f"{doing} raised {exc!r}")
+        error.__cause__ = exc
+        return error
 
 
 class EnvRetryableError(Exception):

@@ -1,18 +1,25 @@
 """Images on both sides of a rollout.
 
 Rollout side: `image_payload` turns an image into what SGLang's `/generate` takes in `image_data`
-(a `data:image/png;base64,...` string, as slime sends it). Training side: a `TrainInputBuffer`
-collects each turn's processor outputs (`pixel_values`, `image_grid_thw`, ...) and merges them once
-at the end, one `torch.cat` per key, instead of re-concatenating the growing tensors every turn.
+(a `data:image/png;base64,...` string, as slime sends it). PNG encoding is the costliest step of an
+image turn (tens of milliseconds for a 448x448 photo), so `ImagePayloads` keeps each payload by the
+image's pixels: an image is encoded once however many trajectories (a group's shared prompt image),
+turns or re-renders carry it. Training side: a `TrainInputBuffer` collects each turn's processor
+outputs (`pixel_values`, `image_grid_thw`, ...) and merges them once at the end, one `torch.cat` per
+key, instead of re-concatenating the growing tensors every turn.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import io
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 from PIL import Image, UnidentifiedImageError
@@ -46,6 +53,106 @@ def image_payload(image: Image.Image) -> str:
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+DEFAULT_PAYLOAD_CACHE_BYTES = 256 << 20
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+class BoundedCache(Generic[K, V]):
+    """A mapping bounded by the total `size` of its values (default `len`), least recently used out first. A
+    value larger than the bound is not kept. Thread-safe."""
+
+    def __init__(self, max_bytes: int, size: Callable[[V], int] = len):
+        self.max_bytes, self._size_of = max_bytes, size
+        self._entries: OrderedDict[K, tuple[V, int]] = OrderedDict()
+        self._size = 0
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def get(self, key: K) -> V | None:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return None
+            self._entries.move_to_end(key)
+            return entry[0]
+
+    def put(self, key: K, value: V) -> None:
+        size = self._size_of(value)
+        if size > self.max_bytes:
+            return
+        with self._lock:
+            old = self._entries.pop(key, None)
+            self._size += size - (old[1] if old else 0)
+            self._entries[key] = (value, size)
+            while self._size > self.max_bytes:
+                self._size -= self._entries.popitem(last=False)[1][1]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._size = 0
+
+
+class ImagePayloads:
+    """`image_payload` with a memory: each distinct image (by mode, size and pixels) is encoded once while
+    its payload stays in the cache. A payload string is shared by every trajectory that carries the image,
+    so the cache costs no copy while they hold it.
+
+    Bounded by `max_bytes` of payload text, least recently used out first. Thread-safe: encodes run
+    outside the lock, and a thread asking for an image another thread is encoding waits for that
+    payload instead of encoding it again. `encodes` counts the images actually encoded.
+
+        payloads = ImagePayloads()
+        payloads(image)        # "data:image/png;base64,...", encoded on the first call only
+    """
+
+    def __init__(self, max_bytes: int = DEFAULT_PAYLOAD_CACHE_BYTES):
+        self.encodes = 0
+        self._cache: BoundedCache[tuple, str] = BoundedCache(max_bytes)
+        self._pending: dict[tuple, threading.Event] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+    def __call__(self, image: Image.Image) -> str:
+        key = _pixels_key(image)
+        while True:
+            with self._lock:
+                payload = self._cache.get(key)
+                if payload is not None:
+                    return payload
+                pending = self._pending.get(key)
+                if pending is None:
+                    self._pending[key] = threading.Event()
+                    break
+            pending.wait()  # another thread is encoding this image: take its payload (or encode, if it failed)
+        try:
+            payload = image_payload(image)
+            with self._lock:
+                self.encodes += 1
+                self._cache.put(key, payload)
+        finally:
+            with self._lock:
+                self._pending.pop(key).set()
+        return payload
+
+    def clear(self) -> None:
+        self._cache.clear()
+
+
+def _pixels_key(image: Image.Image) -> tuple:
+    """What the payload of `image` depends on: its mode, size and pixels (hashed; blake2b releases the GIL)."""
+    return image.mode, image.size, hashlib.blake2b(image.tobytes(), digest_size=16).digest()
 
 
 def _image_bytes(source: Any) -> bytes:

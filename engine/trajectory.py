@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from engine.errors import ErrorRecord
+from engine.errors import ErrorRecord, Stage
 from engine.multimodal import TrainInputBuffer
 
 
@@ -46,6 +46,10 @@ class StopReason(StrEnum):
     ENV_ERROR = "env_error"
     BACKEND_ERROR = "backend_error"
     REWARD_ERROR = "reward_error"
+    ENCODE_ERROR = "encode_error"  # the prompt or an observation could not be encoded
+    FILTER_ERROR = "filter_error"  # the group filter raised
+    INTERNAL_ERROR = "internal_error"  # any other exception while handling the trajectory
+    STALE = "stale"  # more than max_staleness versions old, and not run again
 
 
 _TERMINAL = frozenset({Status.COMPLETED, Status.TRUNCATED, Status.ABORTED, Status.FAILED})
@@ -53,9 +57,9 @@ _LEGAL_EDGES = {
     Status.PENDING: frozenset({Status.RUNNING, Status.ABORTED, Status.FAILED}),
     Status.RUNNING: frozenset({Status.PAUSED} | _TERMINAL),
     Status.PAUSED: frozenset({Status.RUNNING, Status.ABORTED, Status.FAILED}),
-    # a group's reward is computed once every member has ended; when it fails, the members fail
-    Status.COMPLETED: frozenset({Status.FAILED}),
-    Status.TRUNCATED: frozenset({Status.FAILED}),
+    # after a trajectory ended: its (group's) reward or the group filter failed, or it went too stale
+    Status.COMPLETED: frozenset({Status.FAILED, Status.ABORTED}),
+    Status.TRUNCATED: frozenset({Status.FAILED, Status.ABORTED}),
 }
 # The status each stop reason ends a trajectory in.
 END_STATUS = {
@@ -67,6 +71,19 @@ END_STATUS = {
     StopReason.ENV_ERROR: Status.FAILED,
     StopReason.BACKEND_ERROR: Status.FAILED,
     StopReason.REWARD_ERROR: Status.FAILED,
+    StopReason.ENCODE_ERROR: Status.FAILED,
+    StopReason.FILTER_ERROR: Status.FAILED,
+    StopReason.INTERNAL_ERROR: Status.FAILED,
+    StopReason.STALE: Status.ABORTED,
+}
+# The stop reason a failure ends a trajectory with, by the stage that failed.
+STOP_OF_STAGE = {
+    Stage.BACKEND: StopReason.BACKEND_ERROR,
+    Stage.ENV: StopReason.ENV_ERROR,
+    Stage.ENCODE: StopReason.ENCODE_ERROR,
+    Stage.REWARD: StopReason.REWARD_ERROR,
+    Stage.FILTER: StopReason.FILTER_ERROR,
+    Stage.ENGINE: StopReason.INTERNAL_ERROR,
 }
 
 _ids = itertools.count()
@@ -168,9 +185,14 @@ class Trajectory:
         self.transition(END_STATUS[stop_reason], stop_reason)
 
     def fail_after_end(self, error: ErrorRecord) -> None:
-        """An ended COMPLETED or TRUNCATED trajectory fails after all: its group's reward failed."""
+        """An ended COMPLETED or TRUNCATED trajectory fails after all: its (group's) reward, the group
+        filter or a check after its end failed."""
         self.errors.append(error)
-        self.transition(Status.FAILED, StopReason.REWARD_ERROR)
+        self.transition(Status.FAILED, STOP_OF_STAGE[error.stage])
+
+    def abort_after_end(self, stop_reason: StopReason) -> None:
+        """An ended COMPLETED or TRUNCATED trajectory is not trained on after all (gone too stale)."""
+        self.transition(Status.ABORTED, stop_reason)
 
     def restart(self) -> int:
         """Drop everything but the prompt messages, to run again from the start; returns the number of

@@ -1,14 +1,13 @@
-"""What one turn does, and the sequential reference loop built from it.
+"""What one turn does: the seed's five steps, numbered where `Scheduler.drive` runs them.
+  1. encode the prompt (`encode_prompt`);
+  2. generate, tokens appended with loss mask 1 (`generate_turn`);
+  3. check whether generation ended the trajectory: context length, token budget (`out_of_room`);
+  4. step the env; done? out of turns? (`step_env`, `end_of_turn`);
+  5. append the observation: loss mask 0, images on the rollout and the training side (`observe`).
 
-`run_trajectory` is the seed's five steps, numbered in the loop:
-  1. encode the prompt;
-  2. generate (tokens appended with loss mask 1);
-  3. check whether generation ended the trajectory (abort, context length, token budget);
-  4. step the env (done? out of turns?);
-  5. append the observation (loss mask 0; images on the rollout and the training side).
-
-The turn-level scheduler dispatches `generate_turn` and `env_turn` separately, holding a generation
-slot or an env slot for each; this loop runs them back to back for one trajectory. The token budget
+The turn-level scheduler holds a generation slot for step 2 and an env slot for step 4, and retries
+each within its budgets; `run_trajectory`, the sequential reference, is the same loop for one
+trajectory with one slot each and no retries. The token budget
 (`max_tokens`, response side) shrinks with generated and observation tokens and caps each turn's
 `max_new_tokens`. A turn that hits the per-turn cap ends there: it is closed with the end-of-turn
 token (mask 0) and the env still answers it.
@@ -19,14 +18,13 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, replace
-
-import anyio
+from typing import Any
 
 from engine.backends.base import Backend, GenerateResult, SamplingParams
 from engine.encoding import ChatEncoder
-from engine.envs.base import EnvRunner
-from engine.errors import Stage, TurnError
-from engine.trajectory import Status, StopReason, Trajectory, Turn
+from engine.envs.base import EnvRunner, StepResult
+from engine.errors import ObservationError, PromptError, TurnError
+from engine.trajectory import STOP_OF_STAGE, StopReason, Trajectory, Turn
 
 SPEC_KEYS = ("spec_accept_token_num", "spec_draft_token_num", "spec_verify_ct", "completion_tokens")
 
@@ -45,9 +43,13 @@ class TurnLimits:
         return left
 
 
-def encode_prompt(trajectory: Trajectory, encoder: ChatEncoder) -> None:
-    """Step 1: the prompt's tokens, and its images on both sides."""
-    encoded = encoder.encode_prompt(trajectory.prompt, trajectory.prompt_images)
+async def encode_prompt(trajectory: Trajectory, encoder: ChatEncoder) -> None:
+    """Step 1: the prompt's tokens, and its images on both sides (in a worker thread when it has images
+    or long text). A prompt the template or the processor cannot encode is a BAD_PROMPT."""
+    try:
+        encoded = await encoder.aencode_prompt(trajectory.prompt, trajectory.prompt_images)
+    except Exception as exc:
+        raise PromptError(f"the prompt of trajectory {trajectory.id} does not encode: {exc!r}") from exc
     trajectory.set_prompt(encoded.token_ids)
     trajectory.image_data.extend(encoded.image_data)
     trajectory.train_inputs.add(encoded.train_inputs)
@@ -64,7 +66,7 @@ async def generate_turn(
     left = min(sampling.max_new_tokens - turn.num_generated, limits.remaining(trajectory))
     if left <= 0:
         raise ValueError(f"trajectory {trajectory.id}: no room left to generate (check out_of_room first)")
-    params = replace(sampling, max_new_tokens=left)
+    params = sampling if left == sampling.max_new_tokens else replace(sampling, max_new_tokens=left)
     started = time.monotonic()
     result = await backend.generate(
         trajectory.tokens.tolist(),
@@ -108,36 +110,54 @@ def out_of_room(trajectory: Trajectory, limits: TurnLimits) -> StopReason | None
 
 
 def stop_after_generation(trajectory: Trajectory, result: GenerateResult, limits: TurnLimits) -> StopReason | None:
-    """Step 3: does this generation end the trajectory?"""
+    """Step 3 for a loop without pauses of its own (slime's, in benchmarks/longtail_slime.py): an abort
+    ends the trajectory; otherwise, is it out of room?"""
     if result.finish_reason == "abort":
         return StopReason.ABORTED
     return out_of_room(trajectory, limits)
 
 
-async def env_turn(
-    trajectory: Trajectory,
-    env: EnvRunner,
-    encoder: ChatEncoder,
-    limits: TurnLimits,
-    *,
-    skip_special_tokens: bool = True,
-) -> StopReason | None:
-    """Steps 4 and 5: the env answers the model's last turn (decoded as SGLang's `text` would be, with
-    or without special tokens); its observation is appended with loss mask 0."""
+async def step_env(
+    runner: EnvRunner, trajectory: Trajectory, *, encoder: ChatEncoder, skip_special_tokens: bool = True
+) -> StepResult:
+    """Step 4: the env answers the model's last turn (decoded as SGLang's `text` would be, with or
+    without special tokens)."""
     turn = trajectory.turns[-1]
-    generated = trajectory.generated_ids(turn).tolist()
+    text = encoder.response_text(trajectory.generated_ids(turn).tolist(), skip_special_tokens=skip_special_tokens)
     started = time.monotonic()
-    step = await env.step(encoder.response_text(generated, skip_special_tokens=skip_special_tokens))
+    step = await runner.step(text)
     turn.env_seconds = time.monotonic() - started
+    return step
+
+
+def end_of_turn(trajectory: Trajectory, step: StepResult, limits: TurnLimits) -> StopReason | None:
+    """Does the env's answer end the trajectory (the env is done, or the turns are used up)? A reward
+    the env gives is kept."""
     if "reward" in step.info:
         trajectory.reward = step.info["reward"]
     if step.done:
         return StopReason.ENV_DONE
     if len(trajectory.turns) >= limits.max_turns:
         return StopReason.MAX_TURNS
-    message = env.message(step.observation)
-    encoded = encoder.encode_observation(message)
-    token_ids = encoder.closing_ids(generated) + encoded.token_ids
+    return None
+
+
+async def observe(
+    trajectory: Trajectory, message: dict[str, Any], encoder: ChatEncoder, limits: TurnLimits
+) -> StopReason | None:
+    """Step 5: the env's message appended with loss mask 0 (images on the rollout and the training
+    side), after the token closing the model's turn; TOKEN_BUDGET when there is no room left for it.
+    Encoded in a worker thread when the message has images or long text. A message the template or the
+    processor cannot encode is a BAD_OBSERVATION."""
+    turn = trajectory.turns[-1]
+    try:
+        encoded = await encoder.aencode_observation(message)
+        closing = encoder.closing_ids(trajectory.generated_ids(turn).tolist())
+    except ObservationError:
+        raise
+    except Exception as exc:
+        raise ObservationError(f"the observation after turn {turn.index} does not encode: {exc!r}") from exc
+    token_ids = closing + encoded.token_ids
     if len(token_ids) >= limits.remaining(trajectory):  # no room left to answer it
         return StopReason.TOKEN_BUDGET
     trajectory.append_observation(token_ids)
@@ -157,38 +177,26 @@ async def run_trajectory(
     sampling: SamplingParams,
     limits: TurnLimits,
 ) -> Trajectory:
-    """Run one trajectory to its end, turn after turn. It always ends in exactly one terminal status:
-    a backend or env failure ends it FAILED with the error recorded; cancellation ends it ABORTED."""
-    stop: StopReason | None = None
-    try:
-        encode_prompt(trajectory, encoder)  # 1
-        trajectory.transition(Status.RUNNING)
-        await env.reset()
-        stop = out_of_room(trajectory, limits)  # a prompt may fill the window on its own
-        while stop is None:
-            result = await generate_turn(trajectory, backend, sampling, limits)  # 2
-            stop = stop_after_generation(trajectory, result, limits)  # 3
-            if stop is None:
-                stop = await env_turn(trajectory, env, encoder, limits)  # 4, 5
-    except TurnError as exc:
-        stop = record_failure(trajectory, exc)
-    except anyio.get_cancelled_exc_class():
-        stop = StopReason.ABORTED
-        raise
-    finally:
-        await close_env(env, trajectory)
-        trajectory.finish(stop or StopReason.ABORTED)
-        trajectory.check_invariant()
+    """Run one trajectory to its end, turn after turn: the reference, with no retries and no one else
+    in flight. It is the scheduler's own loop (`Scheduler.drive`), so the two cannot disagree; it always
+    ends in exactly one terminal status: a failure ends it FAILED with the error recorded, an abort or
+    a cancellation ABORTED."""
+    from engine.scheduler.retry import CircuitBreaker, RetryPolicy  # the scheduler is built on this module
+    from engine.scheduler.scheduler import Scheduler
+
+    scheduler = Scheduler(
+        backend=backend, encoder=encoder, sampling=sampling, limits=limits,
+        retry=RetryPolicy(per_turn={}, per_trajectory=0, env_step_timeout_s=None), breaker=CircuitBreaker(),
+        max_generating=1, max_env_steps=1, end_on_abort=True,
+    )  # fmt: skip
+    await scheduler.drive(trajectory, lambda: env)
     return trajectory
 
 
 def record_failure(trajectory: Trajectory, error: TurnError) -> StopReason:
     """Keep the error on the trajectory; the stop reason it ends with."""
     trajectory.errors.append(error.record(len(trajectory.turns)))
-    return _STOP_OF_STAGE.get(error.stage, StopReason.ENV_ERROR)
-
-
-_STOP_OF_STAGE = {Stage.BACKEND: StopReason.BACKEND_ERROR, Stage.REWARD: StopReason.REWARD_ERROR}
+    return STOP_OF_STAGE[error.stage]
 
 
 async def close_env(env: EnvRunner, trajectory: Trajectory) -> None:

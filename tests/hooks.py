@@ -72,3 +72,10 @@ def drop_group_one(args: Any, samples: list[Any]) -> FilterOutput:
     CALLS.append(("drop_group_one", samples[0].group_index))
     keep = samples[0].group_index != 1
     return FilterOutput(keep=keep, reason=None if keep else "group_one")
+
+
+def break_first_sample(args: Any, sample: Any) -> None:
+    """A rollout sample hook that raises on member 0 of each group (a bug in a user's hook)."""
+    CALLS.append(("break_first_sample", sample.index))
+    if sample.index % 2 == 0:
+        raise ValueError("hook bug")

@@ -7,16 +7,19 @@ that replies with canonical tokens of given answers, then compared with a full r
 from __future__ import annotations
 
 import functools
+import threading
 
 import anyio
 import pytest
+import torch
 from PIL import Image
 
 from engine.backends.base import SamplingParams
-from engine.encoding import ChatEncoder
+from engine.encoding import INLINE_MAX_CHARS, ChatEncoder
 from engine.envs.base import EnvRunner
 from engine.errors import ObservationError
 from engine.models import load_tokenizer, packaged_template
+from engine.multimodal import ImagePayloads
 from engine.trajectory import Status, StopReason, Trajectory
 from engine.turn import TurnLimits, run_trajectory
 from tests.fakes import ScriptedBackend, ScriptedEnv
@@ -271,3 +274,107 @@ def test_prefix_is_computed_once_per_role(tokenizer, monkeypatch):
 def test_packaged_templates_are_the_official_fixtures(templates_dir):
     assert packaged_template("qwen2.5") == (templates_dir / "Qwen2.5-7B-Instruct.jinja").read_text()
     assert packaged_template("qwen2.5-vl") == (templates_dir / "Qwen2.5-VL-7B-Instruct.jinja").read_text()
+
+
+# -- from the event loop: the async variants -------------------------------------------------------------
+
+
+def same_encoding(a, b) -> bool:
+    if (a.token_ids, a.image_data) != (b.token_ids, b.image_data):
+        return False
+    if a.train_inputs is None or b.train_inputs is None:
+        return a.train_inputs is b.train_inputs
+    return a.train_inputs.keys() == b.train_inputs.keys() and all(
+        torch.equal(a.train_inputs[k], b.train_inputs[k]) for k in a.train_inputs
+    )
+
+
+def encode_threads(monkeypatch, encoder: ChatEncoder) -> list[int]:
+    """The thread each encode of `encoder` runs in."""
+    threads, original = [], encoder._encode_text
+
+    def spy(*args, **kwargs):
+        threads.append(threading.get_ident())
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(encoder, "_encode_text", spy)
+    return threads
+
+
+def look_again(size: int, text: str = "Look again.") -> dict:
+    return {"role": "user", "content": [{"type": "image", "image": red_square(size)}, {"type": "text", "text": text}]}
+
+
+@pytest.mark.anyio
+async def test_async_observations_run_in_a_thread_when_heavy_and_equal_the_sync_ones(processor, monkeypatch):
+    encoder = ChatEncoder(processor.tokenizer, processor=processor, payloads=ImagePayloads())
+    threads = encode_threads(monkeypatch, encoder)
+    loop_thread = threading.get_ident()
+    short = {"role": "user", "content": "Wrong, try again."}
+    long_text = {"role": "tool", "content": "digit " * (INLINE_MAX_CHARS // 6 + 1)}
+    long_parts = {"role": "user", "content": [{"type": "text", "text": "carry " * (INLINE_MAX_CHARS // 6 + 1)}]}
+    cases = [(short, True), (long_text, False), (long_parts, False), (look_again(56), False)]
+    for message, inline in cases:
+        threads.clear()
+        encoded = await encoder.aencode_observation(message)
+        assert same_encoding(encoded, encoder.encode_observation(message))
+        assert (threads[0] == loop_thread) is inline and threads[1] == loop_thread, message["role"]
+
+
+@pytest.mark.anyio
+async def test_async_prompts_and_drift_checks_run_in_a_thread_with_images(processor, monkeypatch):
+    encoder = ChatEncoder(processor.tokenizer, processor=processor, payloads=ImagePayloads())
+    threads = encode_threads(monkeypatch, encoder)
+    loop_thread = threading.get_ident()
+    text_prompt = [{"role": "user", "content": "What is 2 + 2?"}]
+    image_prompt = [look_again(84, "What is drawn?")]
+    rendered = encoder.render([{"role": "user", "content": [{"type": "image"}]}], add_generation_prompt=True)
+    for prompt, images, inline in [
+        (text_prompt, None, True),
+        (image_prompt, None, False),
+        (rendered, [red_square(28)], False),
+    ]:
+        threads.clear()
+        encoded = await encoder.aencode_prompt(prompt, images)
+        assert same_encoding(encoded, encoder.encode_prompt(prompt, images))
+        assert (threads[0] == loop_thread) is inline
+    for prompt, inline in [(text_prompt, True), (image_prompt, False)]:
+        trajectory = Trajectory(prompt=prompt)
+        encoded = encoder.encode_prompt(prompt)
+        trajectory.set_prompt(encoded.token_ids)
+        trajectory.image_data.extend(encoded.image_data)
+        threads.clear()
+        assert (await encoder.adrift_check(trajectory)) == encoder.drift_check(trajectory)
+        assert (threads[0] == loop_thread) is inline
+
+
+@pytest.mark.anyio
+async def test_async_encoding_raises_what_the_sync_one_raises(processor):
+    encoder = ChatEncoder(processor.tokenizer, processor=processor)
+    broken = {"role": "user", "content": [{"type": "image", "image": "data:image/png;base64,AAAA"}]}
+    with pytest.raises(ObservationError, match="image 1 of 1 does not decode"):
+        await encoder.aencode_observation(broken)
+
+
+@pytest.mark.anyio
+async def test_one_encoder_in_many_threads_at_once_gives_the_sequential_results(processor, tokenizer):
+    """The fast tokenizer, the processor and the templates are shared by every thread encoding at once."""
+    vision = ChatEncoder(processor.tokenizer, processor=processor, payloads=ImagePayloads())
+    text = ChatEncoder(tokenizer, tools=TOOLS)
+    messages = [look_again(28 * (i % 5 + 1), f"Look again ({i}).") for i in range(8)]
+    long_texts = [{"role": "user", "content": f"Feedback {i}: " + "try again " * 500} for i in range(8)]
+    expected = [vision.encode_observation(m) for m in messages] + [text.encode_observation(m) for m in long_texts]
+    vision.payloads.clear()
+    encoded_before = vision.payloads.encodes
+    results: dict[int, object] = {}
+    limiter = anyio.CapacityLimiter(8)
+
+    async def encode(i: int, encoder: ChatEncoder, message: dict) -> None:
+        results[i] = await encoder.aencode_observation(message, limiter=limiter)
+
+    async with anyio.create_task_group() as tg:
+        for i, (encoder, message) in enumerate([(vision, m) for m in messages] + [(text, m) for m in long_texts]):
+            tg.start_soon(encode, i, encoder, message)
+    assert all(same_encoding(results[i], e) for i, e in enumerate(expected))
+    # equal images encoded at once in several threads are encoded once
+    assert vision.payloads.encodes - encoded_before == len({m["content"][0]["image"].size for m in messages})

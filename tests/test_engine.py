@@ -270,7 +270,7 @@ async def test_too_stale_trajectories_restart_or_finish(encoder, on_stale):
             assert trajectory.metadata["num_restarts"] == 1 and trajectory.status is Status.COMPLETED
             assert set(trajectory.weight_versions) == {"v1"}  # nothing of v0 is left
         else:
-            assert (trajectory.status, trajectory.stop_reason) == (Status.ABORTED, StopReason.ABORTED)
+            assert (trajectory.status, trajectory.stop_reason) == (Status.ABORTED, StopReason.STALE)
             assert "v0" in trajectory.weight_versions
     if on_stale == "restart":
         assert stats.num_restarted == len(paused) and stats.num_discarded_tokens > 0
@@ -393,54 +393,87 @@ async def test_a_spent_budget_fails_the_trajectory_with_its_reason_and_keeps_the
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("replay_safe", [False, True])
-async def test_env_errors_retry_as_is_or_replay(encoder, replay_safe):
+@pytest.mark.parametrize(
+    ("error", "replay_safe", "outcome"),
+    [
+        (EnvRetryableError("sandbox busy"), False, "as_is"),  # the env says the same step may run again
+        (EnvRetryableError("sandbox busy"), True, "as_is"),
+        (RuntimeError("tool crashed"), True, "replayed"),  # reset, the earlier turns stepped again, then retried
+        (RuntimeError("tool crashed"), False, "failed"),  # the action may have happened: never run twice
+    ],
+)
+async def test_env_errors_retry_as_is_replayed_or_not_at_all(encoder, error, replay_safe, outcome):
     envs: dict = {}
-    failures = {2: EnvRetryableError("sandbox busy")}
-    factory = env_factory(envs, failures=failures, replay_safe=replay_safe)
+    factory = env_factory(envs, failures={2: error}, replay_safe=replay_safe)
     async with RolloutEngine(
         backend=DeterministicBackend(),
         encoder=encoder,
         env_factory=factory,
         source=rows(1),
-        config=config(n_samples_per_prompt=1),
+        config=config(n_samples_per_prompt=1, max_failed_share=1.0),
     ) as engine:
         [group] = await engine.rollout(1)
     [trajectory] = group.trajectories
     env = envs[(0, 0)]
+    if outcome == "failed":
+        assert (trajectory.status, trajectory.stop_reason) == (Status.FAILED, StopReason.ENV_ERROR)
+        assert "not retried: env TurnsEnv is not replay_safe" in trajectory.errors[-1].message
+        assert env.attempts == 2 and len(env.seen) == 1  # the failed step was not run again
+        return
     assert trajectory.status is Status.COMPLETED and trajectory.turns[1].retries == 1
     assert trajectory.tokens.tolist() == await reference_tokens(encoder, group.row, 0, 3)
-    if replay_safe:  # reset, then the first turn's response stepped again before the retry
+    if outcome == "replayed":
         assert env.resets == 2 and env.seen[0] == env.seen[1] and len(env.seen) == 4
     else:
         assert env.resets == 1 and len(env.seen) == 3
 
 
-@pytest.mark.anyio
-async def test_an_env_step_past_its_timeout_is_retried_and_the_trajectory_goes_on(encoder):
-    gate = threading.Event()
+class SlowOnce(TurnsEnv):
+    """A sync env whose steps hang (in their worker thread) until `gate` is set."""
 
-    class SlowOnce(TurnsEnv):
-        def step(self, response_text):
-            if self.attempts == 0:
-                self.attempts += 1
-                gate.wait(timeout=30)  # the first attempt hangs until the test ends
-                raise AssertionError("abandoned attempt returned")
-            self.gate = None  # later attempts answer at once
-            return super().step(response_text)
+    def step(self, response_text):
+        if not self.gate.is_set():
+            self.attempts += 1
+            self.gate.wait(timeout=30)  # hangs until the test ends
+            raise AssertionError("abandoned attempt returned")
+        return super().step(response_text)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("replay_safe", [True, False])
+async def test_an_env_step_past_its_timeout_is_retried_on_a_fresh_env_only_where_replay_safe(encoder, replay_safe):
+    gate = threading.Event()
+    built: list[SlowOnce] = []
+
+    def build(sample):
+        env = SlowOnce(2, gate=gate if not built else _open_gate(), replay_safe=replay_safe)
+        built.append(env)
+        return EnvRunner(env)
 
     retry = RetryPolicy(backoff_base_s=0.0, env_step_timeout_s=0.2)
     try:
         async with RolloutEngine(
-            backend=DeterministicBackend(), encoder=encoder, env_factory=lambda s: EnvRunner(SlowOnce(2, gate=gate)),
-            source=rows(1), config=config(n_samples_per_prompt=1, retry=retry),
+            backend=DeterministicBackend(), encoder=encoder, env_factory=build,
+            source=rows(1), config=config(n_samples_per_prompt=1, retry=retry, max_failed_share=1.0),
         ) as engine:  # fmt: skip
             [group] = await engine.rollout(1)
             stats = engine.statistics().scheduler
+        [trajectory] = group.trajectories
+        assert built[0].attempts == 1  # the hung env is never called again, its thread still running
+        if replay_safe:
+            assert trajectory.status is Status.COMPLETED and stats.retries == {ErrorClass.ENV_TIMEOUT: 1}
+            assert len(built) == 2 and built[1].resets == 1
+        else:
+            assert (trajectory.status, trajectory.stop_reason) == (Status.FAILED, StopReason.ENV_ERROR)
+            assert trajectory.errors[-1].error_class is ErrorClass.ENV_TIMEOUT and len(built) == 1
     finally:
         gate.set()
-    [trajectory] = group.trajectories
-    assert trajectory.status is Status.COMPLETED and stats.retries == {ErrorClass.ENV_TIMEOUT: 1}
+
+
+def _open_gate() -> threading.Event:
+    gate = threading.Event()
+    gate.set()
+    return gate
 
 
 @pytest.mark.anyio

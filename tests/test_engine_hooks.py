@@ -12,7 +12,7 @@ import pytest
 
 from engine.backends.base import GenerateResult
 from engine.encoding import ChatEncoder
-from engine.engine import RolloutEngine, Verdict
+from engine.engine import RolloutEngine, StepFailedError, Verdict
 from engine.envs.base import EnvRunner
 from engine.errors import ErrorClass
 from engine.scheduler.retry import RetryPolicy
@@ -164,13 +164,23 @@ async def test_a_filter_verdict_keeps_a_group_only_when_the_step_could_not_be_fi
 
 
 @pytest.mark.anyio
-async def test_a_filter_that_raises_keeps_the_group(encoder, caplog):
+async def test_a_filter_that_raises_fails_that_group_only_and_a_failed_step_raises_naming_the_class(encoder):
     def broken(group):
-        raise KeyError("reward")
+        if group.group_id == 0:
+            raise KeyError("reward")
+        return None
 
-    async with engine_with(encoder, rows(2), group_filter=broken) as engine:
-        groups = await engine.rollout(2)
-    assert len(groups) == 2 and "group filter raised" in caplog.text
+    async with engine_with(encoder, rows(2), group_filter=broken, cfg=config(max_failed_share=1.0)) as engine:
+        groups = sorted(await engine.rollout(2), key=lambda g: g.group_id)
+    assert [len(g.trajectories) for g in groups] == [2, 2]  # kept whole: nothing lost
+    assert {(t.status, t.stop_reason) for t in groups[0].trajectories} == {(Status.FAILED, StopReason.FILTER_ERROR)}
+    assert "the group filter raised KeyError('reward') for group 0" in groups[0].trajectories[0].errors[-1].message
+    assert {t.status for t in groups[1].trajectories} == {Status.COMPLETED}
+
+    async with engine_with(encoder, rows(2), group_filter=broken, cfg=config(max_failed_share=0.25)) as engine:
+        with pytest.raises(StepFailedError, match=r"2 of 4 trajectories of the step FAILED .* filter x2") as caught:
+            await engine.rollout(2)
+    assert sorted(g.group_id for g in caught.value.groups) == [0, 1]  # the step's groups, on the error
 
 
 @pytest.mark.anyio

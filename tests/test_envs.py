@@ -212,15 +212,21 @@ async def test_step_past_timeout_is_env_timeout():
 
 
 @pytest.mark.anyio
-async def test_timed_out_runner_is_marked_so_the_env_is_not_stepped_again():
+async def test_a_runner_whose_timed_out_step_still_runs_refuses_to_call_the_env_again():
     env = BlockingEnv()
     runner = EnvRunner(env, step_timeout=0.05)
     try:
         with pytest.raises(EnvError):
             await runner.step("x")
-        assert runner.timed_out  # the abandoned thread may still be touching the env
+        assert runner.is_busy  # the abandoned thread is still touching the env
+        first_thread = env.step_thread
+        with pytest.raises(EnvError, match="an earlier call that timed out is still running") as caught:
+            await runner.step("x")
+        assert caught.value.error_class is ErrorClass.ENV_EXCEPTION and env.step_thread == first_thread
     finally:
         env.release.set()
+    await runner.close()  # waits for the abandoned call to return, then closes
+    assert not runner.is_busy
 
 
 @pytest.mark.anyio

@@ -23,10 +23,9 @@ def test_the_example_config_is_what_the_bridge_reads():
     values = yaml.safe_load((EXAMPLE / "turnstile.yaml").read_text())
     args = SimpleNamespace(**values, rollout_batch_size=64, over_sampling_batch_size=96, partial_rollout=True)
     settings = settings_from_args(args)  # raises on any unknown or ill-typed key
-    t = settings.turnstile
     assert (settings.max_turns, settings.env_path) == (3, "examples.geo3k_vlm_multi_turn.env_geo3k")
-    assert settings.over_sampling == t.over_sampling == 1.5  # the YAML's value wins over the flags' ratio
-    assert set(t.retry.per_turn) == set(ErrorClass)  # a class left out would get no retries at all
+    assert settings.over_sampling == 1.5  # the YAML's value wins over the flags' ratio
+    assert set(settings.retry.per_turn) == set(ErrorClass)  # a class left out would get no retries at all
     config = settings.engine_config(stop_token_ids=(151645,))
     assert (config.max_generating, config.max_env_steps, config.metrics_port) == (512, 128, 9400)
 

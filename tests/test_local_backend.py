@@ -4,6 +4,7 @@ failures and images. References come from transformers itself (`generate`, a ful
 from __future__ import annotations
 
 import dataclasses
+import threading
 from types import SimpleNamespace
 
 import anyio
@@ -450,3 +451,30 @@ async def test_images_sent_to_a_text_model_are_client_errors(backend):
         await backend.generate(prompt(5), GREEDY, [image_payload(IMAGES[0])])
     assert excinfo.value.error_class is ErrorClass.CLIENT
     assert "text-only" in excinfo.value.message
+
+
+@pytest.mark.anyio
+async def test_images_are_processed_once_across_turns_and_model_steps_run_off_the_loop(
+    vl_model, processor, monkeypatch
+):
+    """Each turn's request carries every image so far; each image is decoded and processed once, in a worker
+    thread, and every model step runs in one too."""
+    loop_thread, processed, steps = threading.get_ident(), [], []
+
+    def image_processor(*, images, **kwargs):
+        processed.append((threading.get_ident(), len(images)))
+        return processor.image_processor(images=images, **kwargs)
+
+    forward = vl_model.forward
+    monkeypatch.setattr(vl_model, "forward", lambda *a, **kw: steps.append(threading.get_ident()) or forward(*a, **kw))
+    images = [*IMAGES, Image.new("RGB", (84, 84), (20, 20, 220))]
+    payloads = [image_payload(image) for image in images]
+    spy = SimpleNamespace(image_processor=image_processor)
+    async with LocalBackend(vl_model, processor.tokenizer, processor=spy) as local:
+        for turn in (1, 2, 3):
+            ids = image_prompt(processor, images[:turn])["input_ids"][0].tolist()
+            result = await local.generate(ids, greedy(2), payloads[:turn])
+            assert len(result.token_ids) == 2
+    assert processed and all(thread != loop_thread for thread, _ in processed)
+    assert [count for _, count in processed] == [1, 1, 1]  # one image each: the first, the second, the third
+    assert steps and loop_thread not in steps

@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 
 from engine.errors import ErrorClass, ObservationError
-from engine.multimodal import TrainInputBuffer, image_payload, load_image
+from engine.multimodal import BoundedCache, ImagePayloads, TrainInputBuffer, image_payload, load_image
 
 
 @pytest.fixture
@@ -194,3 +194,29 @@ def test_real_processor_outputs_merge_to_one_row_per_patch(processor):
     grids = merged["image_grid_thw"]
     assert grids.shape == (2, 3) and grids[0].tolist() != grids[1].tolist()
     assert merged["pixel_values"].shape[0] == int(grids.prod(dim=-1).sum())
+
+
+# -- bounded caches ------------------------------------------------------------------------------------
+
+
+def test_bounded_cache_evicts_the_least_recently_used_and_keeps_its_size():
+    cache = BoundedCache(max_bytes=10)
+    cache.put("a", "xxxx")
+    cache.put("b", "yyyy")
+    assert cache.get("a") == "xxxx"  # now "b" is the least recently used
+    cache.put("c", "zzzz")
+    assert (cache.get("a"), cache.get("b"), cache.get("c")) == ("xxxx", None, "zzzz")
+    assert (len(cache), cache.size) == (2, 8)
+    cache.put("a", "xx")  # replacing a value counts its new size
+    assert cache.size == 6
+    cache.put("huge", "h" * 11)  # larger than the bound: not kept, nothing evicted
+    assert (cache.get("huge"), len(cache), cache.size) == (None, 2, 6)
+    cache.clear()
+    assert (len(cache), cache.size, cache.get("a")) == (0, 0, None)
+
+
+def test_image_payloads_equal_image_payload(image):
+    payloads = ImagePayloads()
+    assert payloads(image) == image_payload(image)
+    assert payloads(image.convert("RGBA")) == image_payload(image.convert("RGBA"))  # the mode is part of the key
+    assert payloads.encodes == 2

@@ -20,6 +20,7 @@ from bridge.service import RolloutService
 from bridge.settings import settings_from_args
 from bridge.slime import SERVICE_ATTRIBUTE, generate_rollout
 from engine.encoding import ChatEncoder
+from engine.engine import StepFailedError
 from tests import hooks
 from tests.fakes import DeterministicBackend
 from tests.test_bridge import DataSource
@@ -79,12 +80,34 @@ def test_group_rm_scores_each_group_once_with_all_its_members():
         assert sorted(s.reward for s in group) == [0.0, 1.0]
 
 
-def test_without_any_reward_the_samples_fail_and_say_why():
-    """The env reports only a `score` and no reward function is set: no sample trains on a made-up 0.0."""
-    [out], _ = run(slime_args())
+def test_without_any_reward_the_step_fails_fast_naming_why():
+    """The env reports only a `score` and no reward function is set: nothing trains on a made-up 0.0, and
+    a step where every sample failed raises one error naming the error class and its cause."""
+    with pytest.raises(StepFailedError, match=r"4 of 4 trajectories .* FAILED .* reward x4 .*no reward"):
+        run(slime_args())
+
+
+def test_without_any_reward_the_samples_fail_and_say_why_when_failed_steps_are_allowed():
+    [out], _ = run(slime_args(turnstile={"max_new_tokens": 16, "max_failed_share": 1.0}))
     for sample in samples_of(out):
         assert sample.status.value == "failed" and sample.remove_sample and sample.reward == 0.0
         assert "no reward" in sample.metadata["failure"] and sample.metadata["stop_reason"] == "reward_error"
+
+
+def test_a_sample_that_fails_to_convert_fails_alone_and_its_group_stays_whole():
+    [out], _ = run(
+        slime_args(
+            custom_rm_path="tests.hooks.length_rm", rollout_sample_hook_path=["tests.hooks.break_first_sample"],
+            turnstile={"max_new_tokens": 16, "max_failed_share": 1.0},
+        )
+    )  # fmt: skip
+    assert [len(group) for group in out.samples] == [2, 2]
+    for sample in samples_of(out):
+        broken = sample.index % 2 == 0
+        assert (sample.status.value == "failed") == broken and sample.remove_sample == broken
+        if broken:
+            assert "ValueError('hook bug')" in sample.metadata["failure"] and sample.response_length == 0
+            assert sample.loss_mask == [] and sample.reward == 0.0
 
 
 def test_an_rm_type_without_slimes_rm_hub_is_refused_at_start():

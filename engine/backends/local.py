@@ -13,6 +13,11 @@ short request never waits behind a long one and a row's output does not depend o
 Caches of other layer types (sliding window, linear attention) are never merged: new requests then
 wait for the running batch to drain. Qwen2.5-VL prefills take their 3D rope positions from the
 model's `get_rope_index`; decoded tokens are text, one position after the row's last.
+
+Off the event loop: every model step and weight load runs in a worker thread, and so does image
+processing (decoding each payload, the image processor). A request carries every image of its
+conversation each turn; each image's `pixel_values` and `image_grid_thw` are kept by its payload
+(bounded by `vision_cache_bytes`), so an image is decoded and processed once, not once per turn.
 """
 
 from __future__ import annotations
@@ -32,7 +37,9 @@ from transformers.cache_utils import DynamicLayer
 from engine.backends.base import FinishReason, GenerateResult, SamplingParams
 from engine.backends.sampling import sample
 from engine.errors import BackendError, ErrorClass, ObservationError
-from engine.multimodal import load_image
+from engine.multimodal import BoundedCache, load_image
+
+DEFAULT_VISION_CACHE_BYTES = 256 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,8 +111,18 @@ class _Batch:
 class LocalBackend:
     """The Backend protocol over an in-process transformers causal LM (text, or Qwen2.5-VL with `processor`)."""
 
-    def __init__(self, model, tokenizer, *, processor=None, max_batch_size: int = 64, weight_version: str = "0"):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        processor=None,
+        max_batch_size: int = 64,
+        weight_version: str = "0",
+        vision_cache_bytes: int = DEFAULT_VISION_CACHE_BYTES,
+    ):
         self._model, self._tokenizer, self._processor = model.eval(), tokenizer, processor
+        self._vision: BoundedCache[str, dict[str, torch.Tensor]] = BoundedCache(vision_cache_bytes, _tensor_bytes)
         self._max_batch_size, self._weight_version = max_batch_size, weight_version
         self._image_token_id = getattr(model.config, "image_token_id", None)
         self._rope_index = getattr(getattr(model, "model", None), "get_rope_index", None)
@@ -332,13 +349,15 @@ class LocalBackend:
     # -- inputs and weights ------------------------------------------------------------------
 
     async def _encode_images(self, ids: list[int], image_data: list[str]) -> dict[str, torch.Tensor] | None:
-        """pixel_values / image_grid_thw of the images, checked against the image pads in `ids`."""
+        """pixel_values / image_grid_thw of the images (in a worker thread), checked against the image pads in `ids`."""
         if image_data and self._processor is None:
             raise BackendError(ErrorClass.CLIENT, f"{len(image_data)} image(s) sent to a text-only model")
         if self._processor is None or self._image_token_id is None:
             return None
-        pads = [len(list(run)) for token, run in groupby(ids) if token == self._image_token_id]
+        if not image_data and self._image_token_id not in ids:
+            return None
         vision = await anyio.to_thread.run_sync(self._process_images, image_data) if image_data else None
+        pads = [len(list(run)) for token, run in groupby(ids) if token == self._image_token_id]
         merge = self._model.config.vision_config.spatial_merge_size
         needed = (vision["image_grid_thw"].prod(-1) // merge**2).tolist() if vision else []
         if pads != needed:
@@ -350,14 +369,29 @@ class LocalBackend:
         return vision
 
     def _process_images(self, image_data: list[str]) -> dict[str, torch.Tensor]:
-        try:
-            images = [load_image(data, what=f"image_data[{i}]") for i, data in enumerate(image_data)]
-        except ObservationError as exc:
-            raise BackendError(ErrorClass.CLIENT, exc.message) from exc
-        out = self._processor.image_processor(images=images, return_tensors="pt")
-        return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+        """In a worker thread: each image's processor outputs, from the cache or decoded and processed now (the
+        image processor treats the images of a batch one by one, so per image is the same)."""
+        parts = []
+        for i, data in enumerate(image_data):
+            vision = self._vision.get(data)
+            if vision is None:
+                try:
+                    image = load_image(data, what=f"image_data[{i}]")
+                except ObservationError as exc:
+                    raise BackendError(ErrorClass.CLIENT, exc.message) from exc
+                out = self._processor.image_processor(images=[image], return_tensors="pt")
+                vision = {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+                self._vision.put(data, vision)
+            parts.append(vision)
+        if len(parts) == 1:
+            return dict(parts[0])
+        return {key: torch.cat([part[key] for part in parts]) for key in ("pixel_values", "image_grid_thw")}
 
     def _load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         if unknown := sorted(set(state_dict) - set(self._model.state_dict())):
             raise BackendError(ErrorClass.CLIENT, f"update_weights: unknown parameters {unknown[:5]}")
         self._model.load_state_dict(state_dict, strict=False)
+
+
+def _tensor_bytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())

@@ -41,7 +41,13 @@ import httpx
 
 from engine.backends.base import GenerateResult, SamplingParams
 from engine.backends.fanout import agreed_version, combined_error, gather, log_failures
-from engine.backends.sglang_format import collapse_image_pads, parse_generate_reply
+from engine.backends.sglang_format import (
+    THREAD_MIN_BYTES,
+    JSONStrings,
+    body_size,
+    generate_body,
+    parse_generate_reply,
+)
 from engine.backends.transport import HTTPServer
 from engine.backends.workers import list_workers
 from engine.errors import BackendError, ErrorClass
@@ -50,6 +56,8 @@ PAUSE_MODES = ("abort", "retract", "in_place")
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
 # SGLang's /health runs a one-token generation and waits up to 20 s for it (SGLANG_HEALTH_CHECK_TIMEOUT).
 HEALTH_TIMEOUT_S = 30.0
+# Image payloads as JSON, shared by every SGLangBackend (a pool's backends send the same trajectories' images).
+SHARED_JSON_STRINGS = JSONStrings()
 T = TypeVar("T")
 
 
@@ -64,7 +72,11 @@ class SGLangBackend:
     non-streamed reply in one piece, so it bounds a whole generation. `connect_timeout` bounds the TCP
     connect. `headers` go with every request, to the router and its workers (an API key). Proxy settings from
     the environment are ignored: servers are addressed directly. `rid_prefix` starts every request id sent;
-    `is_router` is None until found out.
+    `is_router` is None until found out. `json_strings` keeps each image payload's JSON (default: one cache shared
+    by all backends); `transport` replaces httpx's (an httpx.MockTransport in tests and benchmarks).
+
+    A request body is built off the event loop when it is large (images or a long prompt; see
+    engine/backends/sglang_format.py) and sent as bytes.
     """
 
     def __init__(
@@ -76,22 +88,28 @@ class SGLangBackend:
         max_connections: int = 1024,
         headers: dict[str, str] | None = None,
         image_token_id: int | None = None,
+        json_strings: JSONStrings | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
     ):
         self.url = url.rstrip("/")
         self.image_token_id = image_token_id
         self.rid_prefix = f"turnstile-{uuid.uuid4().hex[:8]}-"
         self.is_router: bool | None = None
+        self._json_strings = SHARED_JSON_STRINGS if json_strings is None else json_strings
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout, connect=connect_timeout),
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
             headers=headers,
             trust_env=False,
+            transport=transport,
         )
         self._health_timeout = httpx.Timeout(min(timeout, HEALTH_TIMEOUT_S), connect=connect_timeout)
         self._server = HTTPServer(self._client, self.url, f"SGLang server at {self.url}")
         self._workers: dict[str, HTTPServer] = {}
         self._serial = itertools.count()
         self._running: dict[str, str | None] = {}  # request id sent -> the caller's rid
+        self._building: set[str] = set()  # request ids whose body a worker thread is building: not sent yet
+        self._aborted_unsent: set[str] = set()  # of those, the ones aborted meanwhile: they are never sent
 
     async def __aenter__(self) -> SGLangBackend:
         """Find out whether the URL is a server or a router (with workers); BackendError, closed, if neither."""
@@ -161,26 +179,40 @@ class SGLangBackend:
         (0.5.23 never answers a request whose pads are already expanded). Given `image_token_id`, each
         run of it is sent as one pad, and the server's `prompt_tokens` must equal `len(input_ids)`: the
         positions the model sees are the ones the trajectory records, or a CLIENT error says otherwise.
+
+        `input_ids` may also be an integer buffer (a trajectory's `array("i")` tokens, an ndarray): it is copied
+        and serialised without a Python loop over its ids, which is faster than a list with images.
         """
-        sent = list(input_ids)
-        if image_data and self.image_token_id is not None:
-            sent = collapse_image_pads(sent, self.image_token_id)
         sent_rid = f"{self.rid_prefix}{next(self._serial)}-{rid or ''}"
-        body: dict[str, Any] = {
-            "input_ids": sent,
-            "sampling_params": sampling_params.to_sglang(),
-            "return_logprob": True,
-            "rid": sent_rid,
-        }
-        if image_data is not None:
-            body["image_data"] = list(image_data)
-        headers = None if session_id is None else {ROUTING_KEY_HEADER: session_id}
+        build = partial(
+            generate_body,
+            input_ids,
+            sampling_params.to_sglang(),
+            sent_rid,
+            None if image_data is None else list(image_data),
+            image_token_id=self.image_token_id,
+            strings=self._json_strings,
+        )
+        headers = {"content-type": "application/json"}
+        if session_id is not None:
+            headers[ROUTING_KEY_HEADER] = session_id
         where = "POST /generate"
         self._running[sent_rid] = rid
         try:
-            response = await self._server.send("POST", "/generate", body, headers=headers)
+            if body_size(input_ids, image_data) >= THREAD_MIN_BYTES:
+                self._building.add(sent_rid)
+                try:
+                    body, num_sent = await anyio.to_thread.run_sync(build)
+                finally:
+                    self._building.discard(sent_rid)
+                if sent_rid in self._aborted_unsent:  # aborted before it was sent: as SGLang answers one still queued
+                    return GenerateResult(token_ids=[], logprobs=[], text="", finish_reason="abort")
+            else:
+                body, num_sent = build()
+            response = await self._server.send("POST", "/generate", content=body, headers=headers)
         finally:
             del self._running[sent_rid]
+            self._aborted_unsent.discard(sent_rid)
         if not response.is_success:
             # Only a reply that is itself a generate reply ending in abort is an abort; anything else
             # (SGLang's {"object": "error", ...} bodies included) is the error its status says.
@@ -195,7 +227,7 @@ class SGLangBackend:
             result = parse_generate_reply(self._server.json(where, response))
         except ValueError as exc:
             raise self._server.error(ErrorClass.MALFORMED, where, str(exc), response.text) from exc
-        if len(sent) != len(input_ids) and result.finish_reason != "abort" and result.prompt_tokens != len(input_ids):
+        if num_sent != len(input_ids) and result.finish_reason != "abort" and result.prompt_tokens != len(input_ids):
             detail = (
                 f"the server expanded {len(image_data or ())} image(s) into a prompt of {result.prompt_tokens} "
                 f"tokens, the encoder into {len(input_ids)}: its image processor settings differ from the encoder's"
@@ -205,8 +237,11 @@ class SGLangBackend:
 
     async def abort(self, rid: str | None = None) -> None:
         """POST /abort_request, to each worker, for this backend's request `rid`, or for each of its requests in
-        flight when `rid` is None; other clients' requests are left alone. Nothing in flight: nothing sent."""
+        flight when `rid` is None; other clients' requests are left alone. Nothing in flight: nothing sent. A
+        request whose body is still being built is not sent at all: it returns at once, finish_reason `abort`."""
         rids = [sent for sent, asked in self._running.items() if rid is None or asked == rid]
+        self._aborted_unsent.update(r for r in rids if r in self._building)  # those are never sent
+        rids = [r for r in rids if r not in self._building]
         if rids:
             await self._each("POST /abort_request", partial(self._abort_on, rids=rids))
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -105,12 +106,19 @@ class EnvRunner:
         self.name = name or type(env).__name__
         self.step_timeout = step_timeout
         self.limiter = limiter  # worker threads for sync envs; None: anyio's default (40 threads)
-        self.timed_out = False
+        self._abandoned: threading.Event | None = None  # set when a sync call that timed out has returned
+        self._methods: dict[str, tuple[Callable[..., Any] | None, bool]] = {}
         self._format = format_observation or getattr(env, "format_observation", None) or default_format_observation
 
     @property
     def replay_safe(self) -> bool:
         return bool(getattr(self.env, "replay_safe", False))
+
+    @property
+    def is_busy(self) -> bool:
+        """A sync call that timed out is still running in its worker thread, touching the env: the env
+        must not be called again (a retry needs a fresh env)."""
+        return self._abandoned is not None and not self._abandoned.is_set()
 
     async def reset(self) -> dict[str, Any]:
         """Reset the env; returns its initial observation (often empty)."""
@@ -144,37 +152,69 @@ class EnvRunner:
     async def close(self, timeout: float = 10.0) -> None:
         """Close the env, shielded from cancellation and bounded by `timeout`. Raises EnvError."""
         with anyio.move_on_after(timeout, shield=True):
+            if self.is_busy:  # let the abandoned call return first: closing under it could break either
+                await anyio.to_thread.run_sync(self._abandoned.wait, abandon_on_cancel=True)
             await self._call("close")
 
     async def _call(self, method: str, *args: Any) -> Any:
         """Call the env's `a<method>` coroutine if it has one, else `<method>` in a worker thread.
 
         `reset` and `step` run under `step_timeout`. A sync call past it is abandoned: its thread
-        may still be running and touching the env, so `timed_out` is set and the env should not be
-        stepped again (retry on a fresh env)."""
-        async_fn = getattr(self.env, f"a{method}", None)
-        sync_fn = getattr(self.env, method, None)
-        result = None
+        may still be running and touching the env, so `is_busy` holds until it returns and the env
+        is not to be called again (retry on a fresh env)."""
+        if self.is_busy:
+            raise EnvError(
+                ErrorClass.ENV_EXCEPTION, f"env {self.name}.{method}: an earlier call that timed out is still running"
+            )
+        fn, is_async = self._method(method)
+        result = returned = None
         timeout = None if method == "close" else self.step_timeout
         with anyio.move_on_after(timeout) if timeout is not None else _NO_TIMEOUT as scope:
             try:
-                if inspect.iscoroutinefunction(async_fn):
-                    result = await async_fn(*args)
-                elif sync_fn is not None:
+                if is_async:
+                    result = await fn(*args)
+                elif fn is not None:
+                    returned = threading.Event()
                     result = await anyio.to_thread.run_sync(
-                        sync_fn, *args, abandon_on_cancel=True, limiter=self.limiter
+                        _signalling(fn, returned), *args, abandon_on_cancel=True, limiter=self.limiter
                     )
             except EnvRetryableError as exc:
                 raise EnvError(ErrorClass.ENV_RETRYABLE, f"env {self.name}.{method} asked for a retry: {exc}") from exc
             except Exception as exc:
                 raise EnvError(ErrorClass.ENV_EXCEPTION, f"env {self.name}.{method} raised {exc!r}") from exc
         if scope is not None and scope.cancelled_caught:
-            self.timed_out = True
+            if returned is not None and not returned.is_set():
+                self._abandoned = returned
             raise EnvError(ErrorClass.ENV_TIMEOUT, f"env {self.name}.{method} timed out after {self.step_timeout}s")
         return result
 
+    def _method(self, method: str) -> tuple[Callable[..., Any] | None, bool]:
+        """The env's callable for `method` and whether it is a coroutine function (`a<method>` first),
+        looked up once per method."""
+        found = self._methods.get(method)
+        if found is None:
+            async_fn = getattr(self.env, f"a{method}", None)
+            if inspect.iscoroutinefunction(async_fn):
+                found = (async_fn, True)
+            else:
+                found = (getattr(self.env, method, None), False)
+            self._methods[method] = found
+        return found
+
 
 _NO_TIMEOUT = contextlib.nullcontext()
+
+
+def _signalling(fn: Callable[..., Any], returned: threading.Event) -> Callable[..., Any]:
+    """`fn`, setting `returned` once it has returned or raised (in its worker thread)."""
+
+    def call(*args: Any) -> Any:
+        try:
+            return fn(*args)
+        finally:
+            returned.set()
+
+    return call
 
 
 def _short(value: Any) -> str:

@@ -99,7 +99,11 @@ class EnvFactory:
 
     The runner formats observations with the env's own `format_observation` when it defines one,
     else the module's `format_observation`, else the default (base.default_format_observation).
+    A user's `build_env` may block (creating a remote sandbox, say): `blocking` tells the engine to
+    call the factory in a worker thread.
     """
+
+    blocking = True
 
     def __init__(self, path: str, args: Any = None, *, step_timeout: float | None = None):
         self.path = path
@@ -114,7 +118,13 @@ class EnvFactory:
         self._module_format = getattr(self.module, "format_observation", None)
         if self._module_format is not None and not callable(self._module_format):
             raise EnvLoadError(f"env module {path!r}: format_observation is not callable")
-        self._by_keyword = _takes_keywords(self._build)
+        by_keyword = _takes_keywords(self._build)
+        if by_keyword is None:
+            raise EnvLoadError(
+                f"env module {path!r}: build_env{inspect.signature(self._build)} takes neither "
+                "build_env(sample=..., args=...) nor build_env(sample, args)"
+            )
+        self._by_keyword = by_keyword
 
     def __call__(self, sample: Any = None) -> EnvRunner:
         """A runner around a fresh env for `sample` (an EnvSample or a slime Sample). Raises EnvLoadError."""
@@ -137,12 +147,20 @@ class EnvFactory:
         return self._module_format  # None: the runner's default
 
 
-def _takes_keywords(fn: Any) -> bool:
-    """Whether `fn(sample=..., args=...)` binds; slime falls back to positional arguments otherwise."""
+def _takes_keywords(fn: Any) -> bool | None:
+    """Whether `fn(sample=..., args=...)` binds (True), else `fn(sample, args)` does (False), as slime falls
+    back to positional arguments; None when neither binds."""
     try:
-        inspect.signature(fn).bind(sample=None, args=None)
-    except TypeError:
-        return False
-    except ValueError:  # no signature to inspect (a builtin): try keywords
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature to inspect (a builtin): try keywords
         return True
-    return True
+    try:
+        signature.bind(sample=None, args=None)
+        return True
+    except TypeError:
+        pass
+    try:
+        signature.bind(None, None)
+        return False
+    except TypeError:
+        return None

@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from engine import errors
 from engine.errors import ErrorClass
 from engine.metrics.recorder import HistogramSnapshot, MetricsRecorder
 from engine.scheduler.queue import Phase
@@ -30,11 +31,7 @@ PREFIX = "turnstile_"
 
 
 def stage_of(error_class: ErrorClass) -> str:
-    if error_class is ErrorClass.BAD_OBSERVATION:
-        return "encode"
-    if error_class is ErrorClass.REWARD:
-        return "reward"
-    return "env" if error_class.value.startswith("env_") else "backend"
+    return str(errors.stage_of(error_class))
 
 
 def _histogram(name: str, doc: str, snapshot: HistogramSnapshot) -> HistogramMetricFamily:

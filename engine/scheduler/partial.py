@@ -2,8 +2,9 @@
 
 Weight versions are ordered as the engine is told of them (`VersionClock.advance`, on every resume
 after a weight update); a trajectory's staleness is how many versions lie between its oldest
-tokens and the current version. `max_staleness` bounds it for a paused trajectory about to resume:
-beyond it the trajectory is restarted (its tokens discarded) or finished as it is.
+tokens and the current version. `max_staleness` bounds it for a paused trajectory about to resume,
+for a trajectory as it ends, and for ended ones not yet returned when generation resumes: beyond it
+the trajectory is restarted (its tokens discarded; at most `max_restarts` times) or ends STALE.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
@@ -41,14 +42,21 @@ class RetryPolicy(BaseModel):
     """Budgets, backoff and the env step timeout. `per_turn` maps an error class to the retries one turn
     may spend on it (classes not listed get none)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     per_turn: dict[ErrorClass, int] = Field(default_factory=lambda: dict(DEFAULT_PER_TURN))
+    """Retries one turn may spend per error class; a class left out gets none."""
     per_trajectory: int = Field(8, ge=0)
+    """Retries a trajectory may spend in all."""
     backoff_base_s: float = Field(0.2, ge=0)
+    """Backoff before retry n: uniform in [0, min(backoff_max_s, backoff_base_s * 2**n)] seconds (full jitter)."""
     backoff_max_s: float = Field(10.0, ge=0)
-    env_step_timeout_s: float | None = Field(300.0, gt=0)  # for env runners built without a timeout of their own
-    reward_timeout_s: float | None = Field(300.0, gt=0)  # one call of the reward function (a trajectory or a group)
+    """The cap of a backoff, seconds."""
+    env_step_timeout_s: float | None = Field(300.0, gt=0)
+    """Seconds an env's reset or step may take before it is an env_timeout error (none: no limit); the
+    one env step timeout, for env runners built without one of their own."""
+    reward_timeout_s: float | None = Field(300.0, gt=0)
+    """Seconds one call of the reward function (a trajectory, or a group) may take (none: no limit)."""
 
     def backoff(self, attempt: int, rng: random.Random) -> float:
         """Seconds before retry number `attempt` (0-based): uniform in [0, min(max, base * 2**attempt)]."""
@@ -94,44 +102,74 @@ class BreakerStatistics:
 
 class CircuitBreaker:
     """Open while, over the last `window_s` seconds, at least `min_attempts` attempts were made and
-    more than `threshold` of them failed. It closes by itself as the window moves on."""
+    more than `threshold` of them failed. It closes by itself as the window moves on.
+
+    Outcomes are counted in `BUCKETS` time buckets over the window (so memory stays flat at any turn
+    rate, and the window moves on in steps of `window_s / BUCKETS`). `record` and `is_open` run on the
+    engine's loop; `statistics` may be read from any thread (the Prometheus exporter's): it is a
+    read-only snapshot, and a lock keeps it from seeing a half-done update."""
+
+    BUCKETS = 32
 
     def __init__(self, *, threshold: float = 0.5, window_s: float = 30.0, min_attempts: int = 20, clock=time.monotonic):
         self.threshold, self.window_s, self.min_attempts = threshold, window_s, min_attempts
         self._clock = clock
-        self._outcomes: deque[tuple[float, bool]] = deque()
-        self._failures = 0
+        self._resolution = window_s / self.BUCKETS
+        self._buckets: deque[list[int]] = deque()  # [bucket number, attempts, failures], oldest first
+        self._attempts = self._failures = 0  # over the buckets held
         self._was_open = False
+        self._lock = threading.Lock()
         self.times_opened = 0
 
     def record(self, ok: bool) -> None:
-        self._outcomes.append((self._clock(), ok))
-        self._failures += not ok
-        self._update()
+        """One attempt's outcome; `is_open` (read before each admission) judges the window."""
+        key = int(self._clock() // self._resolution)
+        with self._lock:
+            if not self._buckets or self._buckets[-1][0] != key:
+                self._buckets.append([key, 0, 0])
+            bucket = self._buckets[-1]
+            bucket[1] += 1
+            bucket[2] += not ok
+            self._attempts += 1
+            self._failures += not ok
 
     @property
     def is_open(self) -> bool:
         return self._update()
 
     def _update(self) -> bool:
-        """Drop outcomes older than the window; log when the breaker opens or closes."""
-        horizon = self._clock() - self.window_s
-        while self._outcomes and self._outcomes[0][0] < horizon:
-            self._failures -= not self._outcomes.popleft()[1]
-        n = len(self._outcomes)
-        is_open = n >= self.min_attempts and self._failures > self.threshold * n
-        if is_open != self._was_open:
-            self._was_open = is_open
-            self.times_opened += is_open
-            rate = self._failures / max(n, 1)
+        """Drop the buckets that left the window; log when the breaker opens or closes."""
+        oldest = self._oldest_key()
+        with self._lock:
+            while self._buckets and self._buckets[0][0] < oldest:
+                _, attempts, failures = self._buckets.popleft()
+                self._attempts -= attempts
+                self._failures -= failures
+            n, failures = self._attempts, self._failures
+            is_open = self._judge(n, failures)
+            changed = is_open != self._was_open
+            if changed:
+                self._was_open = is_open
+                self.times_opened += is_open
+        if changed:
             if is_open:
-                log.warning(
-                    "breaker open: %d of the last %d attempts failed; admitting no new prompts", self._failures, n
-                )
+                log.warning("breaker open: %d of the last %d attempts failed; admitting no new prompts", failures, n)
             else:
-                log.warning("breaker closed (error rate %.0f%%); admitting prompts again", 100 * rate)
+                log.warning("breaker closed (error rate %.0f%%); admitting prompts again", 100 * failures / max(n, 1))
         return is_open
 
+    def _oldest_key(self) -> int:
+        """The first bucket still (partly) inside the window."""
+        return int((self._clock() - self.window_s) // self._resolution) + 1
+
+    def _judge(self, attempts: int, failures: int) -> bool:
+        return attempts >= self.min_attempts and failures > self.threshold * attempts
+
     def statistics(self) -> BreakerStatistics:
-        is_open = self.is_open
-        return BreakerStatistics(is_open, len(self._outcomes), self._failures, self.times_opened)
+        """A snapshot over the current window, changing nothing."""
+        oldest = self._oldest_key()
+        with self._lock:
+            recent = [(a, f) for key, a, f in self._buckets if key >= oldest]
+            times_opened = self.times_opened
+        n, failures = sum(a for a, _ in recent), sum(f for _, f in recent)
+        return BreakerStatistics(self._judge(n, failures), n, failures, times_opened)

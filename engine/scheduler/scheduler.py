@@ -10,6 +10,7 @@ that wants to generate until generation resumes, paused ones first (`partial`).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
 import time
@@ -25,19 +26,43 @@ import anyio
 from engine.backends.base import Backend, SamplingParams
 from engine.encoding import ChatEncoder
 from engine.envs.base import EnvRunner
-from engine.errors import BackendError, EnvError, ErrorClass, RewardError, TurnError
+from engine.errors import BackendError, EnvError, ErrorClass, InternalError, RewardError, TurnError
 from engine.metrics.events import Observer
 from engine.scheduler.partial import VersionClock
 from engine.scheduler.queue import Phase, Policy, PriorityLimiter, SchedulerStatistics, priority_key
 from engine.scheduler.retry import CircuitBreaker, RetryBudget, RetryPolicy
+from engine.scheduler.signals import Broadcast
 from engine.trajectory import Status, StopReason, Trajectory
-from engine.turn import TurnLimits, close_env, encode_prompt, env_turn, generate_turn, out_of_room, record_failure
+from engine.turn import (
+    TurnLimits,
+    close_env,
+    encode_prompt,
+    end_of_turn,
+    generate_turn,
+    observe,
+    out_of_room,
+    record_failure,
+    step_env,
+)
 
 log = logging.getLogger(__name__)
 
 SCORED = (Status.COMPLETED, Status.TRUNCATED)  # the ended trajectories a reward function scores
 
+# Builds the env of one trajectory (again, for a retry on a fresh env); may be async, may raise EnvError.
+EnvBuilder = Callable[[], "EnvRunner | Awaitable[EnvRunner]"]
+
 ABORT_RETRY_S = 1.0  # while pausing: abort again if requests are still on the backend after this long
+
+
+class _Env:
+    """The env a trajectory is stepping now, and how to build a fresh one when a retry needs it."""
+
+    __slots__ = ("runner", "build")
+
+    def __init__(self, build: EnvBuilder):
+        self.runner: EnvRunner | None = None
+        self.build = build
 
 
 class Scheduler:
@@ -55,15 +80,20 @@ class Scheduler:
         policy: Policy = Policy.FIFO,
         max_staleness: int = 1,
         on_stale: Literal["restart", "finish"] = "restart",
+        max_restarts: int = 2,
+        end_on_abort: bool = False,
         group_left: Callable[[Trajectory], int] = lambda t: 0,
         reward_fn: Callable[[Trajectory], Any] | None = None,
         observers: Sequence[Observer] = (),
         seed: int = 0,
         seed_base: int | None = None,
     ):
+        """`end_on_abort`: a request aborted by someone else (not by a pause of this scheduler: slime's
+        own end-of-step abort, say) ends its trajectory ABORTED; otherwise it is a SERVER error, retried."""
         self.backend, self.encoder, self.sampling, self.limits = backend, encoder, sampling, limits
         self.retry, self.breaker = retry, breaker
         self.policy, self.max_staleness, self.on_stale = Policy(policy), max_staleness, on_stale
+        self.max_restarts, self.end_on_abort = max_restarts, end_on_abort
         self.group_left, self.reward_fn, self.observers = group_left, reward_fn, tuple(observers)
         self.clock = VersionClock()
         self.generation_slots = PriorityLimiter(max_generating, name="generation slots")
@@ -76,46 +106,47 @@ class Scheduler:
         self._resumed_at = time.monotonic()
         self._waiting_to_generate: dict[int, Trajectory] = {}
         self._generating: dict[str, Trajectory] = {}
-        self._drained = anyio.Event()
-        self._parked = anyio.Event()
+        self._rid_prefix, self._rids = uuid.uuid4().hex[:12], itertools.count()  # request ids, unique per scheduler
+        self._drained = Broadcast()  # the last request on the backend returned
+        self._parked = Broadcast()  # a trajectory parked or ended
         self._counts: Counter[str] = Counter()
         self._retries: Counter[ErrorClass] = Counter()
         self._exhausted: Counter[ErrorClass] = Counter()
 
     # -- one trajectory ---------------------------------------------------------------------------
     async def drive(
-        self, trajectory: Trajectory, env: EnvRunner, sampling: SamplingParams | None = None, *, score: bool = True
+        self,
+        trajectory: Trajectory,
+        build_env: EnvBuilder,
+        sampling: SamplingParams | None = None,
+        *,
+        score: bool = True,
+        end_on_abort: bool | None = None,
     ) -> None:
-        """Run `trajectory` to its end (with `sampling`, default the scheduler's), then score it with the
-        reward function (unless `score` is False). It ends in exactly one terminal status; while generation
+        """Run `trajectory` to its end with the env `build_env()` gives (and `sampling`, default the
+        scheduler's), then score it with the reward function (unless `score` is False).
+
+        It ends in exactly one terminal status, whatever goes wrong: a failure of its own work (building
+        or stepping its env, encoding, generating, scoring; any exception, classified or not) ends it
+        FAILED with the error recorded, and nothing else; cancellation ends it ABORTED. While generation
         is paused it waits, PAUSED, with its env and its turn state."""
-        env.limiter = self._env_threads
-        if env.step_timeout is None:
-            env.step_timeout = self.retry.env_step_timeout_s
         sampling = self.sampling_for(trajectory, sampling or self.sampling)
+        end_on_abort = self.end_on_abort if end_on_abort is None else end_on_abort
         encoder = self._encoder(trajectory)
-        skip_special = sampling.skip_special_tokens  # the env reads the model's turn as SGLang's `text` has it
-        replay = partial(self._replay, trajectory, env, encoder, skip_special) if env.replay_safe else None
+        env = _Env(build_env)
         budget = RetryBudget(self.retry)
         try:
             stop: StopReason | None = None
             try:
-                encode_prompt(trajectory, encoder)  # 1
-                trajectory.transition(Status.RUNNING)
-                await self._env_call(trajectory, budget, env.reset)
-                stop = out_of_room(trajectory, self.limits)
-                while stop is None:
-                    stop = await self._generate(trajectory, env, budget, sampling)  # 2, 3
-                    if stop is None:
-                        step = partial(
-                            env_turn, trajectory, env, encoder, self.limits, skip_special_tokens=skip_special
-                        )
-                        stop = await self._env_call(trajectory, budget, step, replay=replay)  # 4, 5
-                    self._turn_ended(trajectory, stop)
+                stop = await self._run(trajectory, env, encoder, budget, sampling, end_on_abort)
             except TurnError as exc:
                 stop = record_failure(trajectory, exc)
+            except Exception as exc:  # noqa: BLE001 -- whatever it is, it is this trajectory's alone
+                log.error("trajectory %d failed on an unexpected error", trajectory.id, exc_info=exc)
+                stop = record_failure(trajectory, InternalError.of(exc, f"handling trajectory {trajectory.id}"))
             finally:  # cancellation included: the trajectory ends ABORTED
-                await close_env(env, trajectory)
+                if env.runner is not None:
+                    await close_env(env.runner, trajectory)
                 trajectory.finish(stop or StopReason.ABORTED)
             if score and self.reward_fn is not None and trajectory.status in SCORED:
                 try:
@@ -127,10 +158,45 @@ class Scheduler:
                 trajectory.metadata["retries"] = {str(cls): n for cls, n in budget.by_class.items()}
             self._turn_ended(trajectory, trajectory.stop_reason)  # a turn cut short by a failure
             self._set_phase(trajectory, None)
-            self._parked.set()
+            self._parked.notify()
             trajectory.check_invariant()
             for observer in self.observers:
                 observer.trajectory_ended(trajectory)
+
+    async def _run(
+        self,
+        trajectory: Trajectory,
+        env: _Env,
+        encoder: ChatEncoder,
+        budget: RetryBudget,
+        sampling: SamplingParams,
+        end_on_abort: bool,
+    ) -> StopReason:
+        """The turn loop (the module docstring of `engine.turn` numbers its steps): the stop reason it
+        ends with. Ending too stale, it runs again from the prompt (`on_stale="restart"`, within
+        `max_restarts`) or ends STALE."""
+        skip_special = sampling.skip_special_tokens  # the env reads the model's turn as SGLang's `text` has it
+        await encode_prompt(trajectory, encoder)  # 1
+        trajectory.transition(Status.RUNNING)
+        await self._env_call(trajectory, budget, env, _reset, encoder=encoder, skip_special=skip_special)
+        while True:
+            stop = out_of_room(trajectory, self.limits)
+            while stop is None:
+                stop = await self._generate(trajectory, env, budget, sampling, end_on_abort)  # 2, 3
+                if stop is None:
+                    step = partial(step_env, trajectory=trajectory, encoder=encoder, skip_special_tokens=skip_special)
+                    result = await self._env_call(
+                        trajectory, budget, env, step, encoder=encoder, skip_special=skip_special
+                    )  # 4
+                    stop = end_of_turn(trajectory, result, self.limits)
+                    if stop is None:
+                        message = await self._format(trajectory, budget, env.runner, result.observation)
+                        stop = await observe(trajectory, message, encoder, self.limits)  # 5
+                self._turn_ended(trajectory, stop)
+            if stop in (StopReason.ABORTED, StopReason.STALE) or self.clock.staleness(trajectory) <= self.max_staleness:
+                return stop
+            if not await self._stale(trajectory, env, budget):  # the bound holds when it ends, too
+                return StopReason.STALE
 
     def sampling_for(self, trajectory: Trajectory, sampling: SamplingParams) -> SamplingParams:
         """`sampling` for this trajectory: with a seed base, seed + its index in the group (as slime seeds
@@ -180,26 +246,25 @@ class Scheduler:
             self._phase_counts[phase] += 1
 
     async def _generate(
-        self, trajectory: Trajectory, env: EnvRunner, budget: RetryBudget, sampling: SamplingParams
+        self, trajectory: Trajectory, env: _Env, budget: RetryBudget, sampling: SamplingParams, end_on_abort: bool
     ) -> StopReason | None:
-        """Steps 2 and 3: generate until the turn's generation is complete (an aborted turn is continued
-        once generation resumes); then whether that ends the trajectory."""
+        """Steps 2 and 3: generate until the turn's generation is complete (a turn aborted by a pause is
+        continued once generation resumes); then whether that ends the trajectory."""
         while True:
             waited = await self._acquire_generation(trajectory)
             if self.clock.staleness(trajectory) > self.max_staleness:
                 self.generation_slots.release()
-                if self.on_stale == "finish":
-                    self._counts["finished_stale"] += 1
-                    return StopReason.ABORTED
-                await self._restart(trajectory, env, budget)
+                if not await self._stale(trajectory, env, budget):
+                    return StopReason.STALE
                 continue
-            rid = uuid.uuid4().hex
+            rid = f"{self._rid_prefix}-{next(self._rids)}"
             self._generating[rid] = trajectory
             self._set_phase(trajectory, Phase.GENERATING)
             try:
                 result = await generate_turn(trajectory, self.backend, sampling, self.limits, rid=rid)
                 trajectory.turns[-1].queue_seconds += waited
-                if result.finish_reason == "abort" and not self.generation_slots.is_closed:
+                foreign_abort = result.finish_reason == "abort" and not self.generation_slots.is_closed
+                if foreign_abort and not end_on_abort:
                     raise BackendError(
                         ErrorClass.SERVER, "the backend aborted the request while generation was not paused"
                     )
@@ -210,9 +275,11 @@ class Scheduler:
                 self.breaker.record(True)
                 self.clock.observe(result.weight_version)
                 stop = out_of_room(trajectory, self.limits)
-                if trajectory.turns[-1].finish_reason == "abort" and stop is None:
-                    continue  # paused mid-turn, with room left: the turn goes on once generation resumes
                 turn = trajectory.turns[-1]
+                if turn.finish_reason == "abort" and stop is None:
+                    if foreign_abort:
+                        return StopReason.ABORTED  # aborted by its caller: it ends here, tokens kept
+                    continue  # paused mid-turn, with room left: the turn goes on once generation resumes
                 turn.retries = budget.spent_in(len(trajectory.turns))
                 turn.cut_at_cap = turn.finish_reason == "length" and stop is None
                 return stop
@@ -220,32 +287,45 @@ class Scheduler:
                 del self._generating[rid]
                 self.generation_slots.release()
                 if not self._generating:
-                    self._drained.set()
+                    self._drained.notify()
             await anyio.sleep(self.retry.backoff(attempt, self._rng))
 
     async def _env_call(
         self,
         trajectory: Trajectory,
         budget: RetryBudget,
-        fn: Callable[[], Awaitable[Any]],
+        env: _Env,
+        fn: Callable[[EnvRunner], Awaitable[Any]],
         *,
-        replay: Callable[[], Awaitable[None]] | None = None,
+        encoder: ChatEncoder,
+        skip_special: bool,
     ) -> Any:
-        """An env operation under an env slot, retried within the budget. Before retrying a step on an
-        env that declares replay safe (`replay` given), the env is reset and the earlier responses replayed."""
+        """`fn(runner)`, an env operation, under an env slot; the env is built first if it is not yet.
+
+        A failure is retried, within the budget, only where that cannot repeat an action or race one
+        still running: an env that raised `EnvRetryableError` is called again as it is; a `replay_safe`
+        env is reset and stepped through the earlier responses first (a fresh env when a call that timed
+        out still runs in its thread). Any other env's failure ends the trajectory."""
+        recover: Literal["again", "replay", "build"] | None = "build" if env.runner is None else None
         while True:
             self._set_phase(trajectory, Phase.WAITING_FOR_ENV)
             started = time.monotonic()
-            await self.env_slots.acquire(self._key(trajectory))
+            await self.env_slots.acquire(partial(self._key, trajectory))
             waited = time.monotonic() - started
             self._set_phase(trajectory, Phase.IN_ENV)
             try:
-                result = await fn()
+                if recover == "build":
+                    await self._build_env(trajectory, env, replay=fn is not _reset, encoder=encoder, skip=skip_special)
+                elif recover == "replay":
+                    await self._replay(trajectory, env.runner, encoder, skip_special)
+                recover = None
+                result = await fn(env.runner)
             except EnvError as exc:
                 self.breaker.record(False)
+                recover = _recovery(env.runner, exc, is_reset=fn is _reset)
+                if recover is None:
+                    raise exc.noted(f"not retried: env {env.runner.name} is not replay_safe") from exc
                 attempt = self._charge(trajectory, budget, exc)
-                if replay is not None:
-                    await replay()
             else:
                 self.breaker.record(True)
                 if trajectory.turns:
@@ -256,29 +336,74 @@ class Scheduler:
                 self.env_slots.release()
             await anyio.sleep(self.retry.backoff(attempt, self._rng))
 
-    async def _replay(self, trajectory: Trajectory, env: EnvRunner, encoder: ChatEncoder, skip_special: bool) -> None:
+    async def _build_env(
+        self, trajectory: Trajectory, env: _Env, *, replay: bool, encoder: ChatEncoder, skip: bool
+    ) -> None:
+        """A fresh env for the trajectory (the one before closed, in the background of its own call), reset
+        and, when `replay`, stepped through the earlier responses."""
+        old, env.runner = env.runner, None
+        if old is not None:
+            await close_env(old, trajectory)
+        runner = env.build()
+        if isinstance(runner, Awaitable):
+            runner = await runner
+        runner.limiter = self._env_threads
+        if runner.step_timeout is None:
+            runner.step_timeout = self.retry.env_step_timeout_s
+        env.runner = runner
+        if old is not None and replay:
+            await self._replay(trajectory, runner, encoder, skip)
+
+    async def _replay(
+        self, trajectory: Trajectory, runner: EnvRunner, encoder: ChatEncoder, skip_special: bool
+    ) -> None:
         """Reset the env and step it through every earlier turn's response, so its state is rebuilt."""
-        await env.reset()
+        await runner.reset()
         for turn in trajectory.turns[:-1]:
             text = encoder.response_text(trajectory.generated_ids(turn).tolist(), skip_special_tokens=skip_special)
-            await env.step(text)
+            await runner.step(text)
+
+    async def _format(
+        self, trajectory: Trajectory, budget: RetryBudget, runner: EnvRunner, observation: dict[str, Any]
+    ) -> dict[str, Any]:
+        """The env's observation as a chat message; a failed `format_observation` is retried (within the
+        budget) by formatting again, never by stepping the env again."""
+        while True:
+            try:
+                return runner.message(observation)
+            except EnvError as exc:
+                attempt = self._charge(trajectory, budget, exc)
+            await anyio.sleep(self.retry.backoff(attempt, self._rng))
 
     def _encoder(self, trajectory: Trajectory) -> ChatEncoder:
         """The encoder for this trajectory: with the tools its prompt row names (slime's `metadata["tools"]`)
         rendered into every observation."""
         return self.encoder.for_tools(trajectory.metadata.get("tools"))
 
-    async def _restart(self, trajectory: Trajectory, env: EnvRunner, budget: RetryBudget) -> None:
-        """Too stale to resume: discard the tokens and start again from the prompt, env reset."""
+    async def _stale(self, trajectory: Trajectory, env: _Env, budget: RetryBudget) -> bool:
+        """Too stale to go on or to return: start again from the prompt (tokens discarded, env reset), and
+        True; or, with `on_stale="finish"` or its restarts spent, False (it ends STALE)."""
+        if self.on_stale == "finish" or trajectory.metadata.get("num_restarts", 0) >= self.max_restarts:
+            self._counts["finished_stale"] += 1
+            return False
         self.count_discarded(trajectory)
         trajectory.restart()
-        encode_prompt(trajectory, self._encoder(trajectory))
-        await self._env_call(trajectory, budget, env.reset)
+        encoder = self._encoder(trajectory)
+        await encode_prompt(trajectory, encoder)
+        await self._env_call(trajectory, budget, env, _reset, encoder=encoder, skip_special=True)
+        return True
+
+    def may_restart(self, trajectory: Trajectory) -> bool:
+        """Whether an ended trajectory gone too stale may run again (else it is not returned for training)."""
+        return self.on_stale == "restart" and trajectory.metadata.get("num_restarts", 0) < self.max_restarts
 
     def count_discarded(self, trajectory: Trajectory) -> None:
-        """A trajectory thrown away whole to run again (an ended member of a group gone too stale)."""
+        """A trajectory thrown away whole to run again (gone too stale)."""
         self._counts["restarted"] += 1
         self._counts["discarded_tokens"] += trajectory.num_generated
+
+    def count_finished_stale(self) -> None:
+        self._counts["finished_stale"] += 1
 
     def _charge(self, trajectory: Trajectory, budget: RetryBudget, error: TurnError) -> int:
         """Spend a retry on `error`, or raise it (noting the spent budget) when none is left."""
@@ -305,7 +430,7 @@ class Scheduler:
             while True:
                 if self.generation_slots.is_closed:
                     self._park(trajectory)
-                await self.generation_slots.acquire(self._key(trajectory))
+                await self.generation_slots.acquire(partial(self._key, trajectory))
                 if not self.generation_slots.is_closed:
                     break
                 self.generation_slots.release()
@@ -322,7 +447,7 @@ class Scheduler:
             trajectory.transition(Status.PAUSED)
             self._set_phase(trajectory, Phase.PAUSED)
             self._counts["paused"] += 1
-            self._parked.set()
+            self._parked.notify()
 
     def _longest_in_phase(self) -> dict[Phase, float]:
         """Per phase, the longest any in-flight trajectory has been in it (a hung call shows here)."""
@@ -337,29 +462,29 @@ class Scheduler:
 
     async def parked_or_ended(self) -> None:
         """Until the next trajectory parks or ends."""
-        self._parked = anyio.Event()
         await self._parked.wait()
 
     async def pause_generation(self) -> None:
         """Generation stops at a safe point: requests on the backend are aborted and keep the tokens
-        they produced; env steps go on; every trajectory that wants to generate waits, PAUSED."""
+        they produced; env steps go on; every trajectory that wants to generate waits, PAUSED. Returns
+        once no request is on the backend, or as soon as generation is resumed meanwhile."""
         self.generation_slots.close()
         for trajectory in list(self._waiting_to_generate.values()):
             self._park(trajectory)
-        while self._generating:
-            self._drained = anyio.Event()
+        while self._generating and self.generation_slots.is_closed:
             try:
                 await self.backend.abort()
             except BackendError as exc:  # the requests fail on their own; keep waiting for them
                 log.warning("abort while pausing failed: %s", exc.message)
-            with anyio.move_on_after(ABORT_RETRY_S):
-                await self._drained.wait()
+            if self._generating:
+                await self._drained.wait(ABORT_RETRY_S)
 
     def resume_generation(self, weight_version: str | None) -> None:
         """Generation goes on with `weight_version`; paused trajectories first."""
         self.clock.advance(weight_version)
         self._resumed_at = time.monotonic()
         self.generation_slots.open()
+        self._drained.notify()  # a pause still waiting for requests gives up
 
     @property
     def is_paused(self) -> bool:
@@ -380,6 +505,26 @@ class Scheduler:
             num_finished_stale=self._counts["finished_stale"],
             num_discarded_tokens=self._counts["discarded_tokens"],
         )
+
+
+async def _reset(runner: EnvRunner) -> dict[str, Any]:
+    return await runner.reset()
+
+
+def _recovery(
+    runner: EnvRunner | None, error: EnvError, *, is_reset: bool
+) -> Literal["again", "replay", "build"] | None:
+    """How an env operation that failed with `error` may be tried again, if at all: `again` as it is (the
+    env asked for it, or a reset, which starts over anyway), after a `replay` of the earlier turns on the
+    same env (a replay-safe env), on a fresh env `build` (nothing built yet, or a call that timed out
+    still running in its thread), or not (None)."""
+    if runner is None:
+        return "build"
+    if runner.is_busy:
+        return "build" if runner.replay_safe or is_reset else None
+    if is_reset or error.error_class is ErrorClass.ENV_RETRYABLE:
+        return "again"
+    return "replay" if runner.replay_safe else None
 
 
 async def maybe_await(value: Any) -> Any:
