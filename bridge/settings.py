@@ -38,7 +38,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from engine.config import EMBEDDED_TURN_TOKENS, Settings, checked
+from pydantic import ValidationError
+
+from engine.config import EMBEDDED_TURN_TOKENS, Settings, Slime, checked, marker, problems
 
 __all__ = [
     "DEFAULT_MAX_GENERATING",
@@ -86,7 +88,7 @@ def settings_from_args(args: Any) -> BridgeSettings:
         "max_turns": get("max_turns"),
         "env_path": get("rollout_interaction_env_path"),
         "tokenizer": get("hf_checkpoint"),
-        "chat_template_kwargs": dict(get("apply_chat_template_kwargs") or {}),
+        "chat_template_kwargs": get("apply_chat_template_kwargs"),  # the model checks each value's type
         "url": url,
         "backend": "sglang" if url else None,
         "max_tokens": get("rollout_max_response_len"),
@@ -94,15 +96,25 @@ def settings_from_args(args: Any) -> BridgeSettings:
         "temperature": get("rollout_temperature"),
         "top_p": get("rollout_top_p"),
         "top_k": get("rollout_top_k"),
-        "stop": tuple(get("rollout_stop") or ()),
-        "stop_token_ids": tuple(get("rollout_stop_token_ids") or ()),
+        "stop": get("rollout_stop"),
+        "stop_token_ids": get("rollout_stop_token_ids"),
         "skip_special_tokens": bool(get("rollout_skip_special_tokens", False)),
         "sampling_seed_base": (seed if seed is not None else 42) if deterministic else None,
         "num_gpus": get("rollout_num_gpus"),
     }
     values = {key: value for key, value in from_slime.items() if value is not None}
     values.update(_filled(get, own, values))
-    return BridgeSettings.model_validate({**values, **own})
+    try:
+        return BridgeSettings.model_validate({**values, **own})
+    except ValidationError as exc:  # one error naming each bad value by where it came from
+        raise ValueError(problems(exc, lambda knob: _source(knob, own))) from exc
+
+
+def _source(knob: str, own: dict[str, Any]) -> str:
+    """Where a knob's value came from: the `turnstile:` section, or slime's flag (the knob's name too)."""
+    field = BridgeSettings.model_fields.get(knob)
+    slime = marker(field, Slime) if field is not None and knob not in own else None
+    return f"turnstile.{knob}" if slime is None else f"slime's {slime.source} ({knob})"
 
 
 def _filled(get: Any, own: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:

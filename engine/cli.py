@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import socket
 import sys
 import time
@@ -32,7 +33,7 @@ from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 
 from engine.backends.base import Backend
-from engine.config import RETRY_FLAGS, Flag, Settings, load_yaml, marker, read_yaml
+from engine.config import RETRY_FLAGS, Flag, Settings, load_yaml, marker, problems, read_yaml
 from engine.encoding import ChatEncoder
 from engine.engine import RolloutEngine
 from engine.envs.loader import EnvFactory
@@ -188,14 +189,7 @@ def _positive(text: str) -> int:
 
 def _describe(exc: Exception) -> str:
     """The error as one line: pydantic's as `key: why (given value)` per problem, anything else as its text."""
-    if not isinstance(exc, ValidationError):
-        return str(exc)
-    problems = []
-    for error in exc.errors():
-        key = ".".join(str(part) for part in error["loc"])
-        why = error["msg"].removeprefix("Value error, ")
-        problems.append(f"{key}: {why} (given {error['input']!r})" if key else why)
-    return "; ".join(problems)
+    return problems(exc) if isinstance(exc, ValidationError) else str(exc)
 
 
 def _check_run(config: Settings) -> None:
@@ -263,15 +257,20 @@ def _check_metrics(config: Settings) -> None:
 
 
 def _check_out(out: str) -> None:
-    """`--out` can be written (it is created, not yet emptied)."""
+    """`--out` can be written: a file, or a path whose nearest existing folder is writable (nothing is created)."""
     if out == "-":
         return
-    path = Path(out)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.open("a").close()
-    except OSError as exc:
-        raise ValueError(f"--out {out}: cannot write there: {exc.strerror or exc}") from exc
+    path = Path(out).absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if existing == path and path.is_dir():
+        why = "it is a directory"
+    elif existing != path and not existing.is_dir():
+        why = f"{existing} is not a directory"
+    elif not os.access(existing, os.W_OK):
+        why = f"{existing} is not writable"
+    else:
+        return
+    raise ValueError(f"--out {out}: cannot write there: {why}")
 
 
 async def _run(

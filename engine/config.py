@@ -21,14 +21,23 @@ from __future__ import annotations
 
 import difflib
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Literal, Self, TypeVar
 
 import yaml
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, model_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeInt,
+    PositiveInt,
+    ValidationError,
+    model_validator,
+)
 from pydantic.fields import FieldInfo
 
 from engine.backends.base import SamplingParams
@@ -385,6 +394,18 @@ def checked(data: Any, model: type[BaseModel], reader: Reader, *, where: str, ke
         if why is not None:
             raise ValueError(f"{key_prefix}{key}: {why}")
     return dict(data)
+
+
+def problems(exc: ValidationError, name: Callable[[str], str] = str) -> str:
+    """`exc` as one line, `key: why (given value)` per problem; `name` says where a knob's value came from
+    (the key's first part is the knob)."""
+    lines = []
+    for error in exc.errors():
+        knob, *rest = [str(part) for part in error["loc"]] or [""]
+        why = error["msg"].removeprefix("Value error, ")
+        key = ".".join([name(knob), *rest]) if knob else ""
+        lines.append(f"{key}: {why} (given {error['input']!r})" if key else why)
+    return "; ".join(lines)
 
 
 # -- the table of docs/settings.md --------------------------------------------------------------------

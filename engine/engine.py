@@ -32,7 +32,7 @@ from engine.config import EngineConfig
 from engine.encoding import ChatEncoder
 from engine.envs.base import EnvRunner
 from engine.envs.loader import EnvSample
-from engine.errors import FilterError, InternalError, ObservationError, RewardError, TurnError
+from engine.errors import FilterError, InternalError, ObservationError, PromptError, RewardError, TurnError
 from engine.metrics.events import Observer
 from engine.metrics.recorder import MetricsRecorder
 from engine.metrics.summary import step_summary
@@ -41,8 +41,9 @@ from engine.scheduler.queue import SchedulerStatistics
 from engine.scheduler.retry import CircuitBreaker, RetryBudget
 from engine.scheduler.scheduler import SCORED, Scheduler, maybe_await
 from engine.scheduler.signals import Broadcast
-from engine.source import PromptSource, RowSource
+from engine.source import PromptSource, RowSource, check_row
 from engine.trajectory import Group, Status, StopReason, Trajectory
+from engine.turn import record_failure
 
 if TYPE_CHECKING:
     from engine.metrics.prometheus import MetricsExporter
@@ -167,17 +168,24 @@ class RolloutEngine:
         self._group_ids = itertools.count()  # one space for the engine's groups and `run_one`'s trajectories
 
     async def __aenter__(self) -> RolloutEngine:
+        """Start: the backend's weight version, the metrics exporter. A failure here leaves nothing
+        running and raises as it is (the backend's error, the exporter's address in use)."""
         self._stack = AsyncExitStack()
         self._tasks = await self._stack.enter_async_context(anyio.create_task_group())
-        self.scheduler.resume_generation(await self.backend.weight_version())
-        if self.config.metrics_port is not None:
-            from engine.metrics.prometheus import MetricsExporter
+        try:
+            self.scheduler.resume_generation(await self.backend.weight_version())
+            if self.config.metrics_port is not None:
+                from engine.metrics.prometheus import MetricsExporter
 
-            self.exporter = MetricsExporter(
-                self, self.recorder, host=self.config.metrics_host, port=self.config.metrics_port
-            )
-            self.exporter.start()
-            self._stack.callback(self.exporter.stop)
+                self.exporter = MetricsExporter(
+                    self, self.recorder, host=self.config.metrics_host, port=self.config.metrics_port
+                )
+                self.exporter.start()
+                self._stack.callback(self.exporter.stop)
+        except BaseException:
+            self._tasks.cancel_scope.cancel()
+            await self._stack.aclose()
+            raise
         return self
 
     async def __aexit__(self, *exc_info: Any) -> bool | None:
@@ -300,9 +308,14 @@ class RolloutEngine:
                 return
             self._start(rows[0])
 
-    def _start(self, row: dict[str, Any]) -> None:
+    def _start(self, row: Any) -> None:
         group_id = next(self._group_ids)
         self._counts["admitted"] += 1
+        try:
+            row = check_row(row, where=f"the prompt row of group {group_id}")
+        except ValueError as exc:  # a bad row fails its own group, returned like any other: nothing is lost
+            self._start_failed(group_id, row, PromptError(str(exc)))
+            return
         metadata = row.get("metadata") or {}
         images = list(row.get("images") or [])  # for a prompt given as rendered text
         members = [
@@ -313,6 +326,20 @@ class RolloutEngine:
         self._num_inflight += len(members)
         for trajectory in members:
             self._tasks.start_soon(self._run, group, trajectory)
+
+    def _start_failed(self, group_id: int, row: Any, error: PromptError) -> None:
+        """A group for a row that is not a prompt row, its members FAILED with `error`, done at once."""
+        row = row if isinstance(row, dict) else {"prompt": "", "given": row}
+        prompt = row.get("prompt") if isinstance(row.get("prompt"), list | str) else ""
+        members = [
+            Trajectory(prompt=prompt, group_id=group_id, index=i) for i in range(self.config.n_samples_per_prompt)
+        ]
+        for trajectory in members:
+            trajectory.finish(record_failure(trajectory, error))
+            for observer in self.observers:
+                observer.trajectory_ended(trajectory)
+        self._done.append(Group(group_id, row, members))
+        self._changed.notify()
 
     def _rerun_stale(self) -> None:
         """Ended members not yet returned whose tokens are now too old run again, within their restarts;

@@ -57,17 +57,22 @@ def load_tokenizer(name_or_path: str = "qwen2.5", chat_template: str | None = No
     """A Hugging Face tokenizer with a chat template.
 
     `name_or_path` is `qwen2.5` (the embedded default) or a directory holding a saved tokenizer.
-    `chat_template` (Jinja text or a path to a `.jinja` file) replaces the tokenizer's own.
-    Raises ValueError naming the tokenizer when it ends up without a chat template.
+    `chat_template` (Jinja text, or a path to a file of it) replaces the tokenizer's own.
+    Raises ValueError naming the tokenizer (or the template) when either does not load, or when the
+    tokenizer ends up without a chat template.
     """
     from transformers import AutoTokenizer
 
+    template = None if chat_template is None else _read_template(chat_template)  # a bad one fails before loading
     path = _qwen_tokenizer_dir() if name_or_path == "qwen2.5" else Path(name_or_path)
     if not path.is_dir():
         raise ValueError(f"tokenizer {name_or_path!r}: not 'qwen2.5' and not a directory")
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    if chat_template is not None:
-        tokenizer.chat_template = _read_template(chat_template)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"tokenizer {name_or_path!r} does not load: {' '.join(str(exc).split())}") from exc
+    if template is not None:
+        tokenizer.chat_template = template
     if not tokenizer.chat_template:
         raise ValueError(
             f"tokenizer {name_or_path!r} has no chat template; pass chat_template= (Jinja text or a .jinja file)"
@@ -105,6 +110,9 @@ def load_model(name_or_path: str = "tiny-qwen2", *, seed: int = 0):
             save_atomically(path, _build_tiny_model(name_or_path, seed))
     else:
         path = Path(name_or_path)
+        if not (path / "config.json").is_file():  # there is no model hub to fall back on
+            tiny = ", ".join(TINY_MODELS)
+            raise ValueError(f"model {name_or_path!r}: not one of {tiny} and not a saved model's directory")
     loader = AutoModelForImageTextToText if is_vision_model(name_or_path) else AutoModelForCausalLM
     return loader.from_pretrained(path, dtype=torch.float32).eval()
 
@@ -184,6 +192,9 @@ def save_atomically(path: Path, *objs: Any) -> None:
 
 
 def _read_template(template: str) -> str:
-    if template.endswith(".jinja") and "{" not in template:
-        return Path(template).read_text()
-    return template
+    """Jinja text as it is; anything without a `{` is a file to read (ValueError if there is none)."""
+    if "{" in template:
+        return template
+    if not Path(template).is_file():
+        raise ValueError(f"chat template {template!r}: no such file (and not Jinja text: it has no '{{')")
+    return Path(template).read_text()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -29,7 +29,8 @@ class RowSource:
         self._rows = iter(rows)
 
     def take(self, n: int) -> list[dict[str, Any]]:
-        return [check_row(row, where="a prompt row") for row in itertools.islice(self._rows, n)]
+        """Up to `n` rows as they are: the engine checks each (a bad one fails its own group)."""
+        return list(itertools.islice(self._rows, n))
 
 
 class QueueSource:
@@ -63,12 +64,33 @@ def jsonl_rows(path: str | Path) -> Iterator[dict[str, Any]]:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}:{number}: not a JSON object: {exc}") from exc
-            yield check_row(row, where=f"{path}:{number}")
+            yield check_messages(check_row(row, where=f"{path}:{number}"), where=f"{path}:{number}")
 
 
 def check_row(row: Any, *, where: str) -> dict[str, Any]:
     """A row's prompt is chat messages, or text already rendered with the chat template (given to the
-    model as it is, as slime's `--apply-chat-template` prompts are)."""
+    model as it is, as slime's `--apply-chat-template` prompts are); its `metadata`, when given, a
+    mapping, and its `images` (beside a rendered prompt) a list."""
     if not isinstance(row, dict) or not isinstance(row.get("prompt"), list | str):
         raise ValueError(f"{where}: 'prompt' must be a list of chat messages or rendered text")
+    if not isinstance(row.get("metadata") or {}, Mapping):
+        raise ValueError(f"{where}: 'metadata' must be an object, not {type(row['metadata']).__name__}")
+    if not isinstance(row.get("images") or [], list | tuple):
+        raise ValueError(f"{where}: 'images' must be a list of images, not {type(row['images']).__name__}")
+    return row
+
+
+def check_messages(row: dict[str, Any], *, where: str) -> dict[str, Any]:
+    """A file's row, checked further before the run: a prompt that is not empty, and chat messages that
+    are objects with a string `role` and text or a list of parts as `content` (a template renders a
+    message without a role as nothing)."""
+    prompt = row["prompt"]
+    if not prompt:
+        raise ValueError(f"{where}: 'prompt' is empty")
+    for i, message in enumerate(prompt if isinstance(prompt, list) else ()):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ValueError(f"{where}: prompt message {i} must be an object with a string 'role', got {message!r:.80}")
+        if not isinstance(message.get("content"), str | list | None):
+            kind = type(message["content"]).__name__
+            raise ValueError(f"{where}: prompt message {i}: 'content' must be text or a list of parts, not {kind}")
     return row

@@ -49,7 +49,8 @@ async def encode_prompt(trajectory: Trajectory, encoder: ChatEncoder) -> None:
     try:
         encoded = await encoder.aencode_prompt(trajectory.prompt, trajectory.prompt_images)
     except Exception as exc:
-        raise PromptError(f"the prompt of trajectory {trajectory.id} does not encode: {exc!r}") from exc
+        where = f"group {trajectory.group_id}, member {trajectory.index}"
+        raise PromptError(f"the prompt of {where} does not encode: {exc!r}") from exc
     trajectory.set_prompt(encoded.token_ids)
     trajectory.image_data.extend(encoded.image_data)
     trajectory.train_inputs.add(encoded.train_inputs)

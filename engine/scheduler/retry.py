@@ -18,7 +18,7 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt
 
 from engine.errors import ErrorClass, TurnError
 
@@ -44,7 +44,7 @@ class RetryPolicy(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
-    per_turn: dict[ErrorClass, int] = Field(default_factory=lambda: dict(DEFAULT_PER_TURN))
+    per_turn: dict[ErrorClass, NonNegativeInt] = Field(default_factory=lambda: dict(DEFAULT_PER_TURN))
     """Retries one turn may spend per error class; a class left out gets none."""
     per_trajectory: int = Field(8, ge=0)
     """Retries a trajectory may spend in all."""
