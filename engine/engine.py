@@ -172,6 +172,7 @@ class RolloutEngine:
         running and raises as it is (the backend's error, the exporter's address in use)."""
         self._stack = AsyncExitStack()
         self._tasks = await self._stack.enter_async_context(anyio.create_task_group())
+        self._tasks.start_soon(self.scheduler.deadlines.watch)
         try:
             self.scheduler.resume_generation(await self.backend.weight_version())
             if self.config.metrics_port is not None:

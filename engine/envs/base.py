@@ -25,6 +25,7 @@ from typing import Any
 
 import anyio
 
+from engine.envs.deadlines import Deadlines
 from engine.errors import EnvError, EnvRetryableError, ErrorClass
 
 
@@ -106,6 +107,7 @@ class EnvRunner:
         self.name = name or type(env).__name__
         self.step_timeout = step_timeout
         self.limiter = limiter  # worker threads for sync envs; None: anyio's default (40 threads)
+        self.deadlines: Deadlines | None = None  # the engine's shared timeout watcher; None: a timer per call
         self._abandoned: threading.Event | None = None  # set when a sync call that timed out has returned
         self._methods: dict[str, tuple[Callable[..., Any] | None, bool]] = {}
         self._format = format_observation or getattr(env, "format_observation", None) or default_format_observation
@@ -169,7 +171,7 @@ class EnvRunner:
         fn, is_async = self._method(method)
         result = returned = None
         timeout = None if method == "close" else self.step_timeout
-        with anyio.move_on_after(timeout) if timeout is not None else _NO_TIMEOUT as scope:
+        with self._timeout(timeout) as scope:
             try:
                 if is_async:
                     result = await fn(*args)
@@ -187,6 +189,11 @@ class EnvRunner:
                 self._abandoned = returned
             raise EnvError(ErrorClass.ENV_TIMEOUT, f"env {self.name}.{method} timed out after {self.step_timeout}s")
         return result
+
+    def _timeout(self, timeout: float | None) -> contextlib.AbstractContextManager[anyio.CancelScope | None]:
+        if timeout is None:
+            return _NO_TIMEOUT
+        return self.deadlines.after(timeout) if self.deadlines is not None else anyio.move_on_after(timeout)
 
     def _method(self, method: str) -> tuple[Callable[..., Any] | None, bool]:
         """The env's callable for `method` and whether it is a coroutine function (`a<method>` first),

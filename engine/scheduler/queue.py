@@ -61,12 +61,12 @@ class PriorityLimiter:
         self._seq = itertools.count()
         self._num_waiting = 0
 
-    async def acquire(self, key: tuple | Callable[[], tuple] = ()) -> None:
-        """A slot; when none is free, wait with `key` (or what `key()` gives: computed only then)."""
+    async def acquire(self, key: tuple | Callable[[Any], tuple] = (), item: Any = None) -> None:
+        """A slot; when none is free, wait with `key` (or `key(item)`: computed only then)."""
         if not self.is_closed and self.borrowed < self.total and not self._num_waiting:
             self.borrowed += 1
             return
-        entry = [self.epoch, key() if callable(key) else key, next(self._seq), anyio.Event(), True]
+        entry = [self.epoch, key(item) if callable(key) else key, next(self._seq), anyio.Event(), True]
         heapq.heappush(self._waiters, entry)
         self._num_waiting += 1
         try:

@@ -26,6 +26,7 @@ import anyio
 from engine.backends.base import Backend, SamplingParams
 from engine.encoding import ChatEncoder
 from engine.envs.base import EnvRunner
+from engine.envs.deadlines import Deadlines
 from engine.errors import BackendError, EnvError, ErrorClass, InternalError, RewardError, TurnError
 from engine.metrics.events import Observer
 from engine.scheduler.partial import VersionClock
@@ -99,6 +100,7 @@ class Scheduler:
         self.generation_slots = PriorityLimiter(max_generating, name="generation slots")
         self.env_slots = PriorityLimiter(max_env_steps, name="env slots")
         self._env_threads = anyio.CapacityLimiter(max_env_steps)  # worker threads of sync envs
+        self.deadlines = Deadlines()  # env step timeouts, one watcher for all (the engine runs `watch`)
         self._rng = random.Random(seed)
         self.seed_base = seed_base  # per-request sampling seeds: seed_base + index in group (None: unseeded)
         self._phase: dict[int, tuple[Phase, float]] = {}  # trajectory id -> (phase, since when)
@@ -179,12 +181,12 @@ class Scheduler:
         await encode_prompt(trajectory, encoder)  # 1
         trajectory.transition(Status.RUNNING)
         await self._env_call(trajectory, budget, env, _reset, encoder=encoder, skip_special=skip_special)
+        step = partial(step_env, trajectory=trajectory, encoder=encoder, skip_special_tokens=skip_special)
         while True:
             stop = out_of_room(trajectory, self.limits)
             while stop is None:
                 stop = await self._generate(trajectory, env, budget, sampling, end_on_abort)  # 2, 3
                 if stop is None:
-                    step = partial(step_env, trajectory=trajectory, encoder=encoder, skip_special_tokens=skip_special)
                     result = await self._env_call(
                         trajectory, budget, env, step, encoder=encoder, skip_special=skip_special
                     )  # 4
@@ -310,7 +312,7 @@ class Scheduler:
         while True:
             self._set_phase(trajectory, Phase.WAITING_FOR_ENV)
             started = time.monotonic()
-            await self.env_slots.acquire(partial(self._key, trajectory))
+            await self.env_slots.acquire(self._key, trajectory)
             waited = time.monotonic() - started
             self._set_phase(trajectory, Phase.IN_ENV)
             try:
@@ -347,7 +349,7 @@ class Scheduler:
         runner = env.build()
         if isinstance(runner, Awaitable):
             runner = await runner
-        runner.limiter = self._env_threads
+        runner.limiter, runner.deadlines = self._env_threads, self.deadlines
         if runner.step_timeout is None:
             runner.step_timeout = self.retry.env_step_timeout_s
         env.runner = runner
@@ -430,7 +432,7 @@ class Scheduler:
             while True:
                 if self.generation_slots.is_closed:
                     self._park(trajectory)
-                await self.generation_slots.acquire(partial(self._key, trajectory))
+                await self.generation_slots.acquire(self._key, trajectory)
                 if not self.generation_slots.is_closed:
                     break
                 self.generation_slots.release()
