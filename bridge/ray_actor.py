@@ -10,6 +10,9 @@ on threads (`max_concurrency`), so concurrent custom-generate calls interleave o
 
 from __future__ import annotations
 
+import logging
+import time
+from functools import partial
 from typing import Any
 
 from bridge.service import RolloutService
@@ -17,6 +20,9 @@ from bridge.settings import BridgeSettings
 
 NAMESPACE = "turnstile"
 MAX_CONCURRENCY = 1024
+RESTART_TIMEOUT_S = 60.0  # for a dead actor's name to be freed, before creating it again
+
+log = logging.getLogger(__name__)
 
 
 def attach_or_create(name: str, settings: BridgeSettings, env_args: Any = None, **service_kwargs: Any) -> RayService:
@@ -26,31 +32,54 @@ def attach_or_create(name: str, settings: BridgeSettings, env_args: Any = None, 
 
     if not ray.is_initialized():
         ray.init(ignore_reinit_error=True, namespace=NAMESPACE)
-    actor = (
+    create = partial(_actor, name, settings, env_args, service_kwargs)
+    return RayService(create(), settings, name=name, create=create)
+
+
+def _actor(name: str, settings: BridgeSettings, env_args: Any, service_kwargs: dict[str, Any]) -> Any:
+    import ray
+
+    return (
         ray.remote(RolloutService)
         .options(
             name=name, namespace=NAMESPACE, get_if_exists=True, lifetime="detached", max_concurrency=MAX_CONCURRENCY
         )
         .remote(settings, env_args, **service_kwargs)
     )
-    return RayService(actor, settings)
 
 
 class RayService:
     """RolloutService's blocking methods, each one a call on the actor (`agenerate` gives an ObjectRef,
-    awaitable in the caller's asyncio loop)."""
+    awaitable in the caller's asyncio loop).
 
-    BLOCKING = frozenset({"num_held", "held_prompts", "wanted", "rollout", "evaluate", "pause", "resume", "status"})
+    Every prompt group handed to `rollout` and not yet returned (or dropped) is kept here too. When the
+    actor dies (its node lost, the process killed), the next call creates it again by name and queues
+    those groups in the new one before going on: their paused trajectories and envs died with the actor
+    and run again from the prompt, but no prompt is lost."""
 
-    def __init__(self, actor: Any, settings: BridgeSettings):
-        self._actor, self.settings = actor, settings
+    BLOCKING = frozenset({"num_held", "held_prompts", "wanted", "evaluate", "pause", "resume", "status"})
+
+    def __init__(self, actor: Any, settings: BridgeSettings, *, name: str = "", create: Any = None):
+        self._actor, self.settings, self.name, self._create = actor, settings, name, create
+        # (group_index, index) of its first sample -> (the step that took it, the group)
+        self._held: dict[tuple[Any, Any], tuple[int, list[Any]]] = {}
+        self.restarts = 0
 
     def __getattr__(self, method: str) -> Any:
         if method not in self.BLOCKING:
             raise AttributeError(method)
-        import ray
+        return lambda *args: self._call(method, *args)
 
-        return lambda *args: ray.get(getattr(self._actor, method).remote(*args))
+    def rollout(self, rollout_id: int, target: int, groups: list[list[Any]]) -> Any:
+        self._held.update((_key(group), (rollout_id, group)) for group in groups)
+        try:
+            out = self._call("rollout", rollout_id, target, groups, recover=False)
+        except _actor_died() as exc:
+            self._restart(exc)  # queues every held group, these included
+            out = self._call("rollout", rollout_id, target, [])
+        for group in [*out.samples, *out.dropped]:
+            self._held.pop(_key(group), None)
+        return out
 
     def agenerate(self, sample: Any, sampling_params: dict[str, Any]) -> Any:
         return self._actor.generate_one.remote(sample, sampling_params)
@@ -61,3 +90,49 @@ class RayService:
 
         ray.get(self._actor.shutdown.remote())
         ray.kill(self._actor)
+
+    def _call(self, method: str, *args: Any, recover: bool = True) -> Any:
+        import ray
+
+        try:
+            return ray.get(getattr(self._actor, method).remote(*args))
+        except _actor_died() as exc:
+            if not recover:
+                raise
+            self._restart(exc)
+            return ray.get(getattr(self._actor, method).remote(*args))
+
+    def _restart(self, exc: BaseException) -> None:
+        """A new actor in place of the dead one, holding every group the dead one held unreturned."""
+        import ray
+
+        if self._create is None:
+            raise exc
+        log.warning(
+            "the rollout service's actor %r died (%s); creating it again and queueing the %d prompt groups it held",
+            self.name, type(exc).__name__, len(self._held),
+        )  # fmt: skip
+        deadline = time.monotonic() + RESTART_TIMEOUT_S
+        while True:  # the dead actor's name is freed shortly after its death
+            try:
+                ray.get_actor(self.name, namespace=NAMESPACE)
+            except ValueError:
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"the dead actor {self.name!r} still holds its name after {RESTART_TIMEOUT_S:g} s"
+                ) from exc
+            time.sleep(0.1)
+        self._actor = self._create()
+        ray.get(self._actor.queue.remote(list(self._held.values())))
+        self.restarts += 1
+
+
+def _key(group: list[Any]) -> tuple[Any, Any]:
+    return (group[0].group_index, group[0].index)
+
+
+def _actor_died() -> type[BaseException]:
+    from ray.exceptions import RayActorError
+
+    return RayActorError

@@ -170,6 +170,14 @@ class RolloutService:
         factor = self.settings.over_sampling if self.settings.partial_rollout else 1.0
         return max(0, math.ceil(target * factor) - self.num_held())
 
+    def queue(self, groups: list[tuple[int, list[Any]]]) -> None:
+        """Queue groups (each with the step that first took it) for the next steps, without running one: a
+        new actor taking over a dead one's."""
+        self._portal.call(self._queue, groups)
+
+    async def _queue(self, groups: list[tuple[int, list[Any]]]) -> None:
+        self._source.put(row_from_group(group, rollout_id) for rollout_id, group in groups)
+
     def rollout(self, rollout_id: int, target: int, groups: list[list[Any]]) -> StepOutput:
         """Queue `groups` (slime Samples from the data source) and return `target` finished groups, as
         slime Samples; fewer when the queued prompts run out (give more and call again)."""

@@ -51,6 +51,28 @@ def test_the_service_is_a_named_actor_that_generate_rollout_drives(local_ray):
 
 
 @pytest.mark.slow
+def test_a_killed_service_actor_is_created_again_and_no_prompt_is_lost(local_ray):
+    """The actor dies between steps, holding groups (partial rollout): the next step's call creates it
+    again by name and hands it every group the dead one held; each prompt is returned once, or held."""
+    settings = BridgeSettings.embedded(2).model_copy(update={"partial_rollout": True, "over_sampling": 2.0})
+    service = attach_or_create("turnstile-restart-test", settings)
+    try:
+        args = SimpleNamespace(**{SERVICE_ATTRIBUTE: service})
+        source = DataSource(n_samples=2)
+        returned = [group[0].group_index for group in generate_rollout(args, 0, source).samples]
+        held_when_killed = service.held_prompts()
+        assert held_when_killed  # the dead actor takes these with it
+        ray.kill(service._actor, no_restart=True)
+        returned += [group[0].group_index for group in generate_rollout(args, 1, source).samples]
+        assert service.restarts == 1
+        held = service.held_prompts()
+        assert sorted(returned + held) == source.handed_out  # every prompt taken: returned once, or held
+        assert set(held_when_killed) <= set(returned + held)
+    finally:
+        service.shutdown()
+
+
+@pytest.mark.slow
 def test_turnstile_serve_starts_a_detached_actor_from_a_slime_config(local_ray, tmp_path, capsys):
     from engine.cli import main
 
