@@ -17,20 +17,32 @@ depend on the conversation up to the turn's start only, and an aborted turn resu
 the same stream. Text is a placeholder; clients decode `output_ids` themselves.
 
 Endpoints: POST /generate, /abort_request, /pause_generation, /continue_generation,
-/update_weights_from_disk; GET /model_info, /health, /health_generate, /server_info; and for
+/update_weights_from_disk; GET /model_info, /health, /health_generate, /server_info (and the deprecated
+/get_model_info, /get_server_info, which sglang-router reads when a worker registers); and for
 the benchmark GET /stats (measurements since the last POST /stats/reset) and POST /sim/reset (abort
 everything, forget the model's and the cache's state, set the weight version).
+
+Fault injection (benchmarks/faults.py), off by default: with `error_rate` a /generate request is answered
+at once with HTTP `error_status` (an overloaded or failing server); with `malformed_rate` one is generated
+in full (its tokens count as generated) and then answered with HTTP 200 and a body that is not a generate
+reply (not JSON, or JSON without meta_info, or log-probs that do not match the tokens). Which requests
+fail is drawn from a generator seeded with `fault_seed`, in the order requests arrive. POST /sim/faults
+{"error_rate", "malformed_rate", "error_status", "fault_seed"} changes them while the server runs (the
+generator is seeded again); GET /sim/faults gives them and how many of each were injected since the last
+POST /stats/reset (also in /stats, as `injected`).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import random
 import signal
 import time
 import uuid
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from aiohttp import web
@@ -54,6 +66,37 @@ class SimConfig:
     cache_tokens: int = 2_000_000
     flush_on_update: bool = True
     weight_version: str = "v0"
+    # fault injection (see the module docstring); off by default
+    error_rate: float = 0.0  # share of /generate requests answered at once with HTTP error_status
+    error_status: int = 503
+    malformed_rate: float = 0.0  # share generated in full, then answered with a body that is no generate reply
+    fault_seed: int = 0
+
+
+FAULT_KEYS = ("error_rate", "malformed_rate", "error_status", "fault_seed")
+MALFORMED_BODIES = ("not_json", "no_meta_info", "logprobs_mismatch")
+
+
+@dataclass(slots=True)
+class Faults:
+    """What the server injects now, and how many of each it has injected."""
+
+    error_rate: float = 0.0
+    malformed_rate: float = 0.0
+    error_status: int = 503
+    fault_seed: int = 0
+    injected_errors: int = 0
+    injected_malformed: int = 0
+    rng: random.Random = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.rng = random.Random(self.fault_seed)
+
+    def settings(self) -> dict[str, Any]:
+        return {key: getattr(self, key) for key in FAULT_KEYS}
+
+    def counts(self) -> dict[str, int]:
+        return {"server_error": self.injected_errors, "malformed": self.injected_malformed}
 
 
 class SimServer:
@@ -64,6 +107,7 @@ class SimServer:
         self.paused = False
         self._wake = asyncio.Event()
         self._mark: float | None = None  # while a step runs: the time up to which running_seconds is counted
+        self.faults = Faults(**{key: getattr(config, key) for key in FAULT_KEYS})
         self.reset_state(config.weight_version)
 
     def reset_state(self, weight_version: str) -> None:
@@ -178,6 +222,14 @@ class SimServer:
             max_new_tokens = int(params.get("max_new_tokens", 128))
         except (ValueError, KeyError, TypeError) as exc:
             return web.json_response({"object": "error", "message": f"bad request: {exc!r}", "code": 400}, status=400)
+        draw = self.faults.rng.random()  # one draw per request, in arrival order
+        if draw < self.faults.error_rate:
+            self.faults.injected_errors += 1
+            status = self.faults.error_status
+            return web.json_response(
+                {"object": "error", "message": "injected server error", "code": status}, status=status
+            )
+        malformed = draw < self.faults.error_rate + self.faults.malformed_rate
         stream, offset = self.model.open_turn(input_ids)
         rid = str(body.get("rid") or uuid.uuid4().hex)
         request = Request(rid, input_ids, max_new_tokens, stream, offset, asyncio.get_running_loop().create_future())
@@ -188,10 +240,26 @@ class SimServer:
             self.waiting.append(request)
             self.wake()
         try:
-            return web.json_response(await request.future)
+            reply = await request.future
         except asyncio.CancelledError:  # the client went away
             self.abort(lambda r: r is request)
             raise
+        if malformed and reply["meta_info"]["finish_reason"]["type"] != "abort":
+            self.faults.injected_malformed += 1
+            return self._malformed(reply)
+        return web.json_response(reply)
+
+    def _malformed(self, reply: dict[str, Any]) -> web.Response:
+        """A 200 reply that is not a generate reply, of a kind drawn from the fault generator."""
+        kind = self.faults.rng.choice(MALFORMED_BODIES)
+        if kind == "logprobs_mismatch" and not reply["output_ids"]:
+            kind = "no_meta_info"  # no token to leave out
+        if kind == "not_json":
+            return web.Response(status=200, text=json.dumps(reply)[: len(json.dumps(reply)) // 2])  # cut short
+        if kind == "no_meta_info":
+            return web.json_response({"text": reply["text"], "output_ids": reply["output_ids"]})
+        meta = {**reply["meta_info"], "output_token_logprobs": reply["meta_info"]["output_token_logprobs"][:-1]}
+        return web.json_response({**reply, "meta_info": meta})
 
     async def abort_request(self, http: web.Request) -> web.Response:
         body = await _body(http)
@@ -234,14 +302,40 @@ class SimServer:
     async def server_info(self, http: web.Request) -> web.Response:
         return web.json_response({"simulated": True, **asdict(self.config), "weight_version": self.weight_version})
 
+    async def get_model_info_deprecated(self, http: web.Request) -> web.Response:
+        return await self.model_info(http)
+
+    async def get_server_info_deprecated(self, http: web.Request) -> web.Response:
+        return await self.server_info(http)
+
     async def get_stats(self, http: web.Request) -> web.Response:
         self._integrate()
         snapshot = self.stats.snapshot(self.config.max_running)
         snapshot.update(num_waiting=len(self.waiting), num_running=len(self.running), paused=self.paused)
+        snapshot["injected"] = self.faults.counts()
         return web.json_response(snapshot)
+
+    async def get_faults(self, http: web.Request) -> web.Response:
+        return web.json_response({**self.faults.settings(), "injected": self.faults.counts()})
+
+    async def set_faults(self, http: web.Request) -> web.Response:
+        body = await _body(http)
+        unknown = set(body) - set(FAULT_KEYS)
+        if unknown:
+            message = f"unknown fault settings {sorted(unknown)}; known: {list(FAULT_KEYS)}"
+            return web.json_response({"object": "error", "message": message, "code": 400}, status=400)
+        settings = {**self.faults.settings(), **body}
+        counts = (self.faults.injected_errors, self.faults.injected_malformed)
+        self.faults = Faults(
+            error_rate=float(settings["error_rate"]), malformed_rate=float(settings["malformed_rate"]),
+            error_status=int(settings["error_status"]), fault_seed=int(settings["fault_seed"]),
+        )  # fmt: skip
+        self.faults.injected_errors, self.faults.injected_malformed = counts
+        return web.json_response(self.faults.settings())
 
     async def reset_stats(self, http: web.Request) -> web.Response:
         self._integrate()
+        self.faults.injected_errors = self.faults.injected_malformed = 0
         self.stats = Stats()
         if self._mark is not None:
             self._mark = self.stats.started
@@ -263,6 +357,10 @@ class SimServer:
             ("GET", "/health", self.health),
             ("GET", "/health_generate", self.health),
             ("GET", "/server_info", self.server_info),
+            ("GET", "/get_model_info", self.get_model_info_deprecated),
+            ("GET", "/get_server_info", self.get_server_info_deprecated),
+            ("GET", "/sim/faults", self.get_faults),
+            ("POST", "/sim/faults", self.set_faults),
             ("GET", "/stats", self.get_stats),
             ("POST", "/stats/reset", self.reset_stats),
             ("POST", "/sim/reset", self.sim_reset),

@@ -1,0 +1,817 @@
+"""Fault-injection suite: the long-tail workload under injected faults, one kind at a time and all together.
+
+    python -m benchmarks.faults --out DIR [--size smoke|small|large] [--faults NAME ...] [--seed 0] [--sglang]
+
+Every case runs the long-tail workload (benchmarks/workload.py, the ~30 ms env, no failures of its own; a
+20 ms reward function) through a fresh `RolloutEngine` with partial rollout, against the simulated SGLang
+server (benchmarks/simserver.py, its own process) for the size's steps, with a weight update after each
+step, as benchmarks/longtail.py's `turn_partial` policy does. The first case, `none`, injects nothing: it is
+what every other case is compared with. Faults come from engine.envs.faults (envs and the reward function),
+the simulated server's own fault injection (5xx, malformed replies), and this module (processes killed:
+env processes, the server, one of two workers behind sglang-router or in a BackendPool, the rollout
+service's Ray actor). Processes are killed mid-step: when the run has made a share (30% to 60%) of the
+generate calls the `none` case made in all; the Ray actor is killed between steps 1 and 2.
+
+DIR/report.json has one entry per case (see `summarize`):
+  prompts        taken from the source, returned in a group, held at the end (paused, or done and not yet
+                 returned), dropped by a filter, lost (taken and none of those: must be 0), returned twice
+  trajectories   returned, by status, by stop reason; failed ones by the error class that ended them
+  retries        spent, by class (the engine's counts; and in returned trajectories, metadata["retries"]);
+                 budgets exhausted, by class; the budget (per turn by class, per trajectory); the most one
+                 trajectory spent
+  throughput     trained tokens (loss mask 1 of returned trajectories that did not fail) per second of the
+                 case's steps, and against `none`
+  steps          seconds of each rollout step; p50 and mean, and their inflation against `none`
+  injected       what was injected (env faults by kind, reward faults, server faults, kills)
+  engine_failure None, or what went wrong in the engine: `crash` (an exception out of the engine, with the
+                 head of its traceback), `hang` (a step or a pause past its limit, with the engine's phases),
+                 `step_error` (an exception out of rollout/pause/resume)
+DIR/report.md has the table printed at the end; DIR/faults.png the throughput and step-time figures.
+
+`--sglang` would run the env and reward cases against the real SGLang CPU server; it is not run here (see
+SGLANG_NOTE, also written into the report).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import math
+import random
+import sys
+import time
+import traceback
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import numpy as np
+
+from benchmarks.faults_servers import ProcessUnavailable, RouterProcess, SimProcess, router_available
+from benchmarks.longtail import HEADLINE, Size, sized
+from benchmarks.longtail_common import RewardLog, RewardModel
+from benchmarks.workload import Workload
+from engine.backends.base import SamplingParams
+from engine.backends.pool import BackendPool
+from engine.backends.sglang import SGLangBackend
+from engine.config import EngineConfig
+from engine.encoding import ChatEncoder
+from engine.engine import RolloutEngine
+from engine.envs.base import EnvRunner
+from engine.envs.faults import FaultLog, FaultSpec, FaultyReward, SubprocessEnv, inject, release_hangs
+from engine.envs.loader import EnvSample
+from engine.scheduler.retry import RetryPolicy
+from engine.turn import TurnLimits
+
+STEP_TIMEOUT_S = 1.5  # the env step timeout (the env's slowest step: 30 x its 30 ms median)
+HANG_S = 3 * STEP_TIMEOUT_S  # a hung env step returns after this long (the engine has given up on it by then)
+FAULT_STEP = 1  # the Ray actor is killed after this step
+KILL_FROM, KILL_TO = 0.3, 0.6  # processes are killed mid-step, between these shares of the `none` case's calls
+WEIGHTS_PATH = "/sim/weights"
+SGLANG_NOTE = (
+    "--sglang (the real SGLang CPU server of tests/sglang_cpu/server.py) is not implemented. The suite's "
+    "server-side faults (5xx, malformed replies) and its measurements between cases (/stats, /sim/reset) need the "
+    "simulated server, which a real one has no counterpart of; the real server's tiny random-weight model seldom "
+    "stops by itself, so its turns would run to their cap and not be the workload's; and on this 2-core machine "
+    "an SGLang CPU server takes about 25 s to start when warm (far longer cold), paid again by every restart case. "
+    "The engine-side faults (env, reward, process kills) do not depend on which server answers."
+)
+
+
+def _sizes() -> dict[str, Size]:
+    return {
+        "smoke": sized("small", target_groups=2, num_steps=3, server={"max_running": 8}),
+        "small": sized("small"),
+        "large": sized("large"),
+    }
+
+
+SIZES = _sizes()
+
+
+@dataclass(frozen=True)
+class Case:
+    """One run of the workload with some faults. See the module docstring."""
+
+    name: str
+    what: str
+    env: FaultSpec | None = None  # faults injected into every env
+    subprocess_envs: bool = False  # every env runs in a child process (SubprocessEnv)
+    replay_safe_envs: bool = False  # ... declared replay safe: a new child is started and replayed into
+    kill_envs: int = 0  # env processes SIGKILLed mid-step
+    reward_error_rate: float = 0.0
+    server_faults: dict[str, float] = field(default_factory=dict)  # the simulated server's /sim/faults
+    restart_server: bool = False  # the server SIGKILLed mid-step and started again on its port
+    topology: str = "single"  # single | router (two servers behind sglang-router) | pool (two in a BackendPool)
+    kill_worker: bool = False  # the second of two servers SIGKILLed mid-step, for good
+    ray: bool = False  # the rollout service in a Ray actor, killed and created again between steps
+
+
+CASES = (
+    Case("none", "no faults: the baseline"),
+    Case("env_exception_1pct", "1% of env steps raise", env=FaultSpec(exception=0.01)),
+    Case("env_exception_10pct", "10% of env steps raise", env=FaultSpec(exception=0.10)),
+    Case(
+        "env_exception_10pct_replay_safe",
+        "10% of env steps raise; the env declared replay safe (the engine may reset it, replay, retry)",
+        env=FaultSpec(exception=0.10, replay_safe=True),
+    ),
+    Case(
+        "env_hang",
+        f"2% of env steps hang for {HANG_S:g} s, past the {STEP_TIMEOUT_S:g} s step timeout",
+        env=FaultSpec(hang=0.02, hang_s=HANG_S),
+    ),
+    Case(
+        "env_hang_replay_safe",
+        f"2% of env steps hang for {HANG_S:g} s; the env declared replay safe",
+        env=FaultSpec(hang=0.02, hang_s=HANG_S, replay_safe=True),
+    ),
+    Case(
+        "env_malformed",
+        "1% of env steps return no (obs, done, info) triple, 1% an observation that is not a dict",
+        env=FaultSpec(malformed_return=0.01, malformed_observation=0.01),
+    ),
+    Case(
+        "env_malformed_content",
+        "2% of env steps return a dict observation whose obs_str is not text",
+        env=FaultSpec(malformed_content=0.02),
+    ),
+    Case(
+        "env_process_killed",
+        "envs in child processes (not replay safe); 3 SIGKILLed mid-step",
+        subprocess_envs=True,
+        kill_envs=3,
+    ),
+    Case(
+        "env_process_killed_replay_safe",
+        "envs in child processes declared replay safe; 3 SIGKILLed mid-step",
+        subprocess_envs=True,
+        replay_safe_envs=True,
+        kill_envs=3,
+    ),
+    Case("reward_error", "10% of reward calls raise", reward_error_rate=0.10),
+    Case("server_5xx", "5% of /generate requests answered HTTP 503", server_faults={"error_rate": 0.05}),
+    Case(
+        "server_malformed",
+        "3% of /generate replies malformed (after generating)",
+        server_faults={"malformed_rate": 0.03},
+    ),
+    Case("server_restart", "the server SIGKILLed mid-step and started again on its port", restart_server=True),
+    Case(
+        "router_worker_dies",
+        "two servers behind sglang-router (consistent hashing); one SIGKILLed mid-step, for good",
+        topology="router",
+        kill_worker=True,
+    ),
+    Case(
+        "pool_worker_dies",
+        "two servers in a BackendPool (no router); one SIGKILLed mid-step, for good",
+        topology="pool",
+        kill_worker=True,
+    ),
+    Case(
+        "ray_actor_restart",
+        "the rollout service's Ray actor killed between steps 1 and 2, then created again",
+        ray=True,
+    ),
+    Case(
+        "all",
+        "all at once: env exceptions 1%, hangs 1%, malformed 1.5%; env processes (2 killed); reward errors 5%; "
+        "server 5xx 2%, malformed 1%; the server killed and restarted",
+        env=FaultSpec(
+            exception=0.01,
+            hang=0.01,
+            hang_s=HANG_S,
+            malformed_return=0.005,
+            malformed_observation=0.005,
+            malformed_content=0.005,
+        ),
+        subprocess_envs=True,
+        kill_envs=2,
+        reward_error_rate=0.05,
+        server_faults={"error_rate": 0.02, "malformed_rate": 0.01},
+        restart_server=True,
+    ),  # fmt: skip
+)
+CASE_NAMES = tuple(case.name for case in CASES)
+
+
+# -- what a case run collects ------------------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    """One trajectory handed back: what the report counts of it."""
+
+    status: str
+    stop_reason: str | None
+    error_class: str | None  # of the error that ended a failed one
+    retries: dict[str, int]
+    trained_tokens: int  # loss mask 1, when it did not fail
+    prompt_id: int
+
+
+@dataclass
+class CaseRun:
+    name: str
+    taken: list[int] = field(default_factory=list)  # prompt ids taken from the source, in order
+    returned: list[list[Outcome]] = field(default_factory=list)  # per step, per trajectory
+    returned_prompts: list[int] = field(default_factory=list)  # one per returned group
+    held_prompts: list[int] = field(default_factory=list)
+    dropped: int = 0
+    step_seconds: list[float] = field(default_factory=list)
+    wall_seconds: float = 0.0
+    calls_per_step: list[int] = field(default_factory=list)
+    engine: dict[str, Any] = field(default_factory=dict)
+    injected: dict[str, Any] = field(default_factory=dict)
+    actions: list[dict[str, Any]] = field(default_factory=list)
+    failure: dict[str, Any] | None = None
+    steps_refused: list[dict[str, Any]] = field(default_factory=list)  # steps the engine refused to train on
+    notes: list[str] = field(default_factory=list)
+    skipped: str | None = None
+    lost_at_restart: list[int] | None = None  # the Ray case: prompts held when its actor was killed, gone after
+
+
+def outcome_of(trajectory: Any, prompt_id: int, trains: bool = True) -> Outcome:
+    """`trains`: the step it came back in goes to training (a step refused for its failures does not)."""
+    status = str(trajectory.status)
+    error = trajectory.errors[-1].error_class if trajectory.errors and status == "failed" else None
+    trained = 0 if status == "failed" or not trains else int(sum(trajectory.loss_mask))
+    return Outcome(
+        status,
+        None if trajectory.stop_reason is None else str(trajectory.stop_reason),
+        None if error is None else str(error),
+        dict(trajectory.metadata.get("retries") or {}),
+        trained,
+        prompt_id,
+    )
+
+
+def failure_record(kind: str, exc: BaseException | None, **extra: Any) -> dict[str, Any]:
+    """What went wrong: the innermost exception (not a cancellation) and the head of its traceback."""
+    record: dict[str, Any] = {"kind": kind, **extra}
+    leaf = _leaf(exc) if exc is not None else None
+    if leaf is not None:
+        lines = "".join(traceback.format_exception(leaf)).rstrip().splitlines()
+        record["error"] = f"{type(leaf).__name__}: {leaf}"
+        record["traceback_head"] = lines[-14:]
+    return record
+
+
+def _leaf(exc: BaseException) -> BaseException:
+    if isinstance(exc, BaseExceptionGroup):
+        leaves = [_leaf(e) for e in exc.exceptions]
+        real = [e for e in leaves if not isinstance(e, anyio.get_cancelled_exc_class())]
+        return (real or leaves)[0]
+    return exc
+
+
+def engine_figures(engine: RolloutEngine) -> dict[str, Any]:
+    stats = engine.statistics()
+    s = stats.scheduler
+    return {
+        "num_prompts_admitted": stats.num_prompts_admitted,
+        "num_groups_returned": stats.num_groups_returned,
+        "num_groups_open": stats.num_groups_open,
+        "num_groups_done": stats.num_groups_done,
+        "num_trajectories_inflight": stats.num_trajectories_inflight,
+        "retries": {str(k): v for k, v in s.retries.items()},
+        "budgets_exhausted": {str(k): v for k, v in s.budgets_exhausted.items()},
+        "phases": {str(k): v for k, v in s.phases.items()},
+        "longest_in_phase_s": {str(k): round(v, 3) for k, v in s.longest_in_phase.items()},
+        "breaker": asdict(s.breaker),
+        "num_paused": s.num_paused,
+        "num_resumed": s.num_resumed,
+        "num_restarted": s.num_restarted,
+    }
+
+
+# -- the engine's surroundings -------------------------------------------------------------------------------
+
+
+class CountingSource:
+    """The workload's prompts, in order, noting which were taken."""
+
+    def __init__(self, workload: Workload):
+        self.workload, self.taken = workload, []
+
+    def take(self, n: int) -> list[dict[str, Any]]:
+        rows = self.workload.rows(n, start=len(self.taken))
+        self.taken += [row["metadata"]["prompt_id"] for row in rows]
+        return rows
+
+
+class CallTriggers:
+    """A backend that counts generate calls (per step, and in all) and sets an event once so many were made."""
+
+    def __init__(self, backend: Any):
+        self.inner, self.step, self.calls, self.total = backend, 0, Counter(), 0
+        self._triggers: list[tuple[int, anyio.Event]] = []
+
+    def at(self, calls: int) -> anyio.Event:
+        """An event set when the `calls`-th generate call is made (that is, during a step)."""
+        event = anyio.Event()
+        self._triggers.append((max(1, calls), event))
+        return event
+
+    async def generate(self, input_ids, sampling_params, image_data=None, *, rid=None, session_id=None):
+        self.calls[self.step] += 1
+        self.total += 1
+        for calls, event in self._triggers:
+            if self.total >= calls:
+                event.set()
+        return await self.inner.generate(input_ids, sampling_params, image_data, rid=rid, session_id=session_id)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+async def _post(url: str, path: str, body: dict[str, Any] | None = None) -> Any:
+    async with httpx.AsyncClient(base_url=url, trust_env=False, timeout=10.0) as client:
+        response = (await client.post(path, json=body or {})).raise_for_status()
+        return response.json() if response.content else None
+
+
+async def _get(url: str, path: str) -> Any:
+    async with httpx.AsyncClient(base_url=url, trust_env=False, timeout=10.0) as client:
+        return (await client.get(path)).raise_for_status().json()
+
+
+# -- the suite ---------------------------------------------------------------------------------------------
+
+
+class Suite:
+    def __init__(self, size: Size, *, seed: int = 0, log: Callable[[str], None] = print, workdir: Path | None = None):
+        from engine.models import load_tokenizer
+
+        self.size, self.seed, self.log = size, seed, log
+        self.workdir = workdir
+        self.encoder = ChatEncoder(load_tokenizer("qwen2.5"))
+        self.sampling = SamplingParams(max_new_tokens=size.max_new_tokens, stop_token_ids=self.encoder.stop_token_ids)
+        self.workload = Workload(
+            HEADLINE, env_median_s=size.env_medians[HEADLINE], seed=seed, failure_rate=0.0,
+            reward_source=size.reward_source, reward_latency_s=size.reward_latency_s,
+        )  # fmt: skip
+        self.limits = TurnLimits(max_turns=self.workload.max_turns, max_tokens=size.max_tokens)
+        self.retry = RetryPolicy(env_step_timeout_s=STEP_TIMEOUT_S)
+        self.baseline: CaseRun | None = None
+        self.primary: SimProcess | None = None
+
+    def config(self) -> EngineConfig:
+        s = self.size
+        return EngineConfig(
+            n_samples_per_prompt=s.n_samples, max_inflight=math.ceil(s.target_groups * s.over_sampling) * s.n_samples,
+            max_generating=s.server.max_running, max_env_steps=s.max_env_steps, policy=s.scheduling,
+            partial_rollout=True, over_sampling=s.over_sampling, max_staleness=1, on_stale="restart",
+            limits=self.limits, sampling=self.sampling, retry=self.retry, seed=self.seed,
+        )  # fmt: skip
+
+    def step_limit_s(self) -> float:
+        """A step past this is a hang: 10 x the baseline's slowest step, at least 60 s."""
+        slowest = max(self.baseline.step_seconds, default=0.0) if self.baseline else 0.0
+        return max(60.0, 10 * slowest)
+
+    def trigger_calls(self, share: float) -> int:
+        """The generate call at which a kill happens: `share` of the calls the `none` case made in all (a
+        step's own count depends on what the step before left paused; the run's does not much)."""
+        made = sum(self.baseline.calls_per_step) if self.baseline and self.baseline.calls_per_step else 60
+        return max(2, round(share * made))
+
+    async def run(
+        self, cases: Sequence[Case], results: dict[str, Any], on_case: Callable[[], None] = lambda: None
+    ) -> None:
+        """Each case in turn, its entry into `results`, then `on_case()`. A case the suite itself cannot run (its
+        processes do not start, an import fails) gets an entry saying so, and the suite goes on."""
+        self.primary = SimProcess(self.size.server, log_path=self._log_path("simserver"))
+        await anyio.to_thread.run_sync(self.primary.start)
+        try:
+            for case in cases:
+                started = time.monotonic()
+                try:
+                    run = await self.run_case(case)
+                except Exception as exc:  # noqa: BLE001 -- the suite's own failure: reported, the next case runs
+                    results[case.name] = {"what": case.what, "suite_error": failure_record("suite_error", exc)}
+                    if not self.primary.is_running:
+                        await anyio.to_thread.run_sync(self.primary.start)
+                else:
+                    if case.name == "none":
+                        self.baseline = run
+                    results[case.name] = summarize(case, run, self.baseline, self.retry)
+                results[case.name]["case_seconds"] = round(time.monotonic() - started, 2)
+                self.log(line(case.name, results[case.name]))
+                on_case()
+        finally:
+            await anyio.to_thread.run_sync(self.primary.stop)
+            for env in SubprocessEnv.live():
+                env.close()
+            release_hangs()
+
+    def _log_path(self, name: str) -> Path | None:
+        return None if self.workdir is None else self.workdir / "logs" / f"{name}.log"
+
+    async def run_case(self, case: Case) -> CaseRun:
+        if case.ray:
+            from benchmarks.faults_ray import run_ray_case
+
+            return await run_ray_case(self, case)
+        if case.topology == "single":
+            return await self._run_on([self.primary], case)
+        if case.topology == "router" and (reason := router_available()) is not None:
+            return CaseRun(case.name, skipped=reason)
+        servers = [SimProcess(self.size.server, log_path=self._log_path(f"{case.name}-{i}")) for i in range(2)]
+        try:
+            for server in servers:
+                await anyio.to_thread.run_sync(server.start)
+            if case.topology == "pool":
+                return await self._run_on(servers, case)
+            router = RouterProcess([s.url for s in servers], log_path=self._log_path(f"{case.name}-router"))
+            try:
+                await anyio.to_thread.run_sync(router.start)
+            except ProcessUnavailable as exc:
+                return CaseRun(case.name, skipped=f"sglang-router did not start in front of the servers: {exc}")
+            try:
+                return await self._run_on(servers, case, url=router.url)
+            finally:
+                await anyio.to_thread.run_sync(router.stop)
+        finally:
+            for server in servers:
+                await anyio.to_thread.run_sync(server.stop)
+
+    async def _run_on(self, servers: list[SimProcess], case: Case, *, url: str | None = None) -> CaseRun:
+        run = CaseRun(case.name)
+        for server in servers:
+            await _post(server.url, "/sim/reset", {"weight_version": "v0"})
+            await _post(server.url, "/sim/faults", {"error_rate": 0.0, "malformed_rate": 0.0, "fault_seed": self.seed})
+            await _post(server.url, "/stats/reset")
+        if case.server_faults:
+            await _post(servers[0].url, "/sim/faults", {**case.server_faults, "fault_seed": self.seed})
+        env_log, reward_log = FaultLog(), RewardLog()
+        reward = RewardModel(self.workload, self.encoder, reward_log) if self.workload.reward_source == "rm" else None
+        if reward is not None and case.reward_error_rate:
+            reward = FaultyReward(reward, case.reward_error_rate, seed=self.seed)
+        source = CountingSource(self.workload)
+        clients = [SGLangBackend(s.url, timeout=120.0) for s in servers] if url is None else [SGLangBackend(url)]
+        async with contextlib.AsyncExitStack() as stack:
+            for client in clients:
+                await stack.enter_async_context(client)
+            backend = CallTriggers(clients[0] if len(clients) == 1 else BackendPool(clients, cooldown_s=2.0))
+            engine = RolloutEngine(
+                backend=backend, encoder=self.encoder, env_factory=self._env_factory(case, env_log), source=source,
+                config=self.config(), reward_fn=reward,
+            )  # fmt: skip
+            await self._drive(case, run, engine, backend, servers)
+        run.taken = list(source.taken)
+        run.injected["env"] = env_log.snapshot()["injected"]
+        run.injected["env_calls"] = env_log.snapshot()["calls"]
+        if isinstance(reward, FaultyReward):
+            run.injected["reward"] = {"calls": reward.calls, "raised": reward.injected}
+        for server in servers:
+            if server.is_running:
+                with contextlib.suppress(httpx.HTTPError):
+                    stats = await _get(server.url, "/stats")
+                    injected = run.injected.setdefault("server", Counter())
+                    injected.update(stats.get("injected", {}))
+        if "server" in run.injected:
+            run.injected["server"] = dict(run.injected["server"])
+        for env in SubprocessEnv.live():  # children of envs the engine did not get to close (a crash)
+            env.close()
+        return run
+
+    def _env_factory(self, case: Case, log: FaultLog) -> Callable[[EnvSample], EnvRunner]:
+        workload, spec = self.workload, case.env
+        if spec is not None:
+            spec = spec.model_copy(update={"seed": self.seed})
+
+        def factory(sample: EnvSample) -> EnvRunner:
+            key = f"{sample.metadata['prompt_id']}/{sample.index}"
+            if case.subprocess_envs:
+                build = functools.partial(workload.build_env, {"metadata": dict(sample.metadata)})
+                env: Any = SubprocessEnv(build, replay_safe=case.replay_safe_envs, key=key, start=True)
+            else:
+                env = workload.build_env(sample)
+            if spec is not None:
+                env = inject(env, spec, key=key, log=log)
+            return EnvRunner(env, step_timeout=STEP_TIMEOUT_S)
+
+        factory.blocking = case.subprocess_envs  # the engine builds the env in a worker thread: a child starts
+        return factory
+
+    async def _drive(
+        self, case: Case, run: CaseRun, engine: RolloutEngine, backend: CallTriggers, servers: list[SimProcess]
+    ) -> None:
+        """The steps, with the case's faults happening alongside; every failure of the engine is recorded."""
+        size = self.size
+        ready = anyio.Event()  # set when no server is being restarted
+        ready.set()
+        state = {"version": "v0", "ready": ready}
+        try:
+            async with engine, anyio.create_task_group() as actions:
+                actions.start_soon(self._actions, case, run, backend, servers, state)
+                started = time.monotonic()
+                for step in range(size.num_steps):
+                    backend.step = step
+                    begun = time.monotonic()
+                    try:
+                        with anyio.fail_after(self.step_limit_s()):
+                            groups = await engine.rollout(size.target_groups)
+                        trains = True
+                    except TimeoutError:
+                        run.failure = failure_record(
+                            "hang", None, step=step, where="rollout", engine=engine_figures(engine)
+                        )
+                        break
+                    except Exception as exc:  # noqa: BLE001 -- recorded: the report says what the engine raised
+                        groups = getattr(exc, "groups", None)
+                        if not isinstance(groups, list):
+                            run.failure = failure_record("step_error", exc, step=step, where="rollout")
+                            break
+                        # a step refused for its share of failures: its groups come back on the error
+                        run.steps_refused.append({"step": step, "error": f"{type(exc).__name__}: {exc}"})
+                        trains = False
+                    run.step_seconds.append(time.monotonic() - begun)
+                    run.calls_per_step.append(backend.calls[step])
+                    run.returned.append(
+                        [outcome_of(t, g.row["metadata"]["prompt_id"], trains) for g in groups for t in g.trajectories]
+                    )
+                    run.returned_prompts += [g.row["metadata"]["prompt_id"] for g in groups]
+                    if not await self._between_steps(run, engine, servers, state, step):
+                        break
+                run.wall_seconds = time.monotonic() - started
+                await self._hold(run, engine)
+                actions.cancel_scope.cancel()
+        except Exception as exc:  # noqa: BLE001 -- a crash of the engine: recorded, the suite goes on
+            if run.failure is None:
+                run.failure = failure_record("crash", exc)
+            run.wall_seconds = run.wall_seconds or sum(run.step_seconds)
+        if run.failure is not None and run.failure["kind"] == "crash":
+            run.held_prompts = []  # the engine is gone, and what it held with it
+
+    async def _between_steps(
+        self, run: CaseRun, engine: RolloutEngine, servers: list[SimProcess], state: dict[str, Any], step: int
+    ) -> bool:
+        """Pause, update the weights of every live server, resume; False (and a failure recorded) if that fails."""
+        version = f"v{step + 1}"
+        try:
+            with anyio.fail_after(self.step_limit_s()):
+                await engine.pause()
+                await state["ready"].wait()  # a server being restarted comes back first
+                for server in servers:
+                    if server.is_running:
+                        body = {"model_path": WEIGHTS_PATH, "weight_version": version}
+                        await _post(server.url, "/update_weights_from_disk", body)
+                state["version"] = version
+                if step + 1 < self.size.num_steps:
+                    await engine.resume(version)
+        except TimeoutError:
+            run.failure = failure_record("hang", None, step=step, where="pause", engine=engine_figures(engine))
+            return False
+        except Exception as exc:  # noqa: BLE001
+            run.failure = failure_record("step_error", exc, step=step, where="pause/resume")
+            return False
+        return True
+
+    async def _hold(self, run: CaseRun, engine: RolloutEngine) -> None:
+        """After the last step: paused, every unfinished trajectory parked; note what the engine holds."""
+        try:
+            with anyio.fail_after(self.step_limit_s()):
+                await engine.pause()
+                await engine.wait_until_parked()
+        except TimeoutError:
+            if run.failure is None:
+                run.failure = failure_record("hang", None, step=len(run.step_seconds), where="wait_until_parked",
+                                             engine=engine_figures(engine))  # fmt: skip
+        run.held_prompts = [g.row["metadata"]["prompt_id"] for g in engine.held_groups]
+        run.dropped = sum(engine.statistics().num_groups_dropped.values())
+        run.engine = engine_figures(engine)
+
+    async def _actions(
+        self, case: Case, run: CaseRun, backend: CallTriggers, servers: list[SimProcess], state: dict[str, Any]
+    ) -> None:
+        """The kills of this case, at their moments. A kill that cannot be done is noted."""
+        try:
+            async with anyio.create_task_group() as tg:
+                if case.kill_envs:
+                    tg.start_soon(self._kill_envs, case, run, backend)
+                if case.restart_server:
+                    tg.start_soon(self._restart_server, case, run, backend, servers[0], state)
+                if case.kill_worker:
+                    tg.start_soon(self._kill_worker, run, backend, servers[1])
+        except Exception as exc:  # noqa: BLE001 -- the suite's own trouble, noted; the case goes on
+            run.notes.append(f"a fault action failed: {exc!r}")
+
+    async def _kill_envs(self, case: Case, run: CaseRun, backend: CallTriggers) -> None:
+        rng = random.Random(self.seed)
+        for k in range(case.kill_envs):
+            at = self.trigger_calls(KILL_FROM + (KILL_TO - KILL_FROM) * k / max(1, case.kill_envs - 1))
+            await backend.at(at).wait()
+            live = sorted(SubprocessEnv.live(), key=lambda e: str(e.key))
+            if not live:
+                run.actions.append({"action": "kill env process", "at_call": at, "done": False, "why": "none alive"})
+                continue
+            victim = rng.choice(live)
+            pid = victim.pid
+            victim.kill()
+            run.actions.append({"action": "kill env process", "at_call": at, "env": victim.key, "pid": pid})
+
+    async def _restart_server(
+        self, case: Case, run: CaseRun, backend: CallTriggers, server: SimProcess, state: dict[str, Any]
+    ) -> None:
+        at = self.trigger_calls(KILL_FROM)
+        await backend.at(at).wait()
+        state["ready"] = anyio.Event()
+        with contextlib.suppress(httpx.HTTPError):  # what it injected before it dies
+            injected = (await _get(server.url, "/stats")).get("injected", {})
+            run.injected.setdefault("server_before_restart", injected)
+        killed = time.monotonic()
+        await anyio.to_thread.run_sync(server.kill)
+        faults = {k: v for k, v in case.server_faults.items()}
+        server.config = replace(self.size.server, weight_version=state["version"], fault_seed=self.seed + 1, **faults)
+        await anyio.to_thread.run_sync(server.start)
+        down = time.monotonic() - killed
+        state["ready"].set()
+        run.actions.append({"action": "kill and restart the server", "at_call": at, "down_s": round(down, 3)})
+
+    async def _kill_worker(self, run: CaseRun, backend: CallTriggers, server: SimProcess) -> None:
+        at = self.trigger_calls(KILL_FROM)
+        await backend.at(at).wait()
+        await anyio.to_thread.run_sync(server.kill)
+        run.actions.append({"action": "kill one of two servers for good", "at_call": at, "server": server.url})
+
+
+# -- the report ---------------------------------------------------------------------------------------------
+
+
+def summarize(case: Case, run: CaseRun, baseline: CaseRun | None, retry: RetryPolicy) -> dict[str, Any]:
+    """One case's entry in report.json (see the module docstring)."""
+    entry: dict[str, Any] = {"what": case.what}
+    if run.skipped:
+        return {**entry, "skipped": run.skipped}
+    outcomes = [o for step in run.returned for o in step]
+    taken, returned, held = set(run.taken), Counter(run.returned_prompts), set(run.held_prompts)
+    lost = sorted(taken - set(returned) - held)
+    statuses = Counter(o.status for o in outcomes)
+    trained = sum(o.trained_tokens for o in outcomes)
+    spent_returned: Counter[str] = Counter()
+    for o in outcomes:
+        spent_returned.update(o.retries)
+    entry["prompts"] = {
+        "taken": len(taken),
+        "returned": len(returned),
+        "held": len(held),
+        "dropped": run.dropped,
+        "lost": max(0, len(lost) - run.dropped),  # a dropped group's prompt is accounted for
+        "lost_ids": lost[:50],
+        "returned_twice": sum(1 for n in returned.values() if n > 1),
+    }
+    if run.lost_at_restart is not None:  # the Ray case
+        entry["prompts"]["lost_at_actor_restart"] = len(run.lost_at_restart)
+    entry["trajectories"] = {
+        "returned": len(outcomes),
+        "by_status": dict(statuses),
+        "by_stop_reason": dict(Counter(o.stop_reason for o in outcomes)),
+        "failed_by_error_class": dict(Counter(o.error_class for o in outcomes if o.status == "failed")),
+    }
+    most = max((sum(o.retries.values()) for o in outcomes), default=0)
+    entry["retries"] = {
+        "spent_by_class": run.engine.get("retries", {}),
+        "spent_in_returned": dict(spent_returned),
+        "budgets_exhausted": run.engine.get("budgets_exhausted", {}),
+        "budget_per_turn": {str(k): v for k, v in retry.per_turn.items()},
+        "budget_per_trajectory": retry.per_trajectory,
+        "most_by_one_trajectory": most,
+    }
+    steps = run.step_seconds
+    tps = trained / run.wall_seconds if run.wall_seconds else 0.0
+    entry["throughput"] = {"trained_tokens": trained, "trained_tokens_per_s": round(tps, 1)}
+    entry["steps"] = {
+        "seconds": [round(s, 3) for s in steps],
+        "p50_s": round(float(np.percentile(steps, 50)), 3) if steps else None,
+        "mean_s": round(float(np.mean(steps)), 3) if steps else None,
+        "completed": len(steps),
+        "generate_calls": run.calls_per_step,
+    }
+    if baseline is not None and baseline is not run and baseline.step_seconds and steps:
+        base = summarize_baseline(baseline)
+        entry["throughput"]["relative_to_none"] = round(tps / base["tps"], 3) if base["tps"] else None
+        entry["steps"]["inflation_p50"] = round(float(np.percentile(steps, 50)) / base["p50"], 3)
+        entry["steps"]["inflation_mean"] = round(float(np.mean(steps)) / base["mean"], 3)
+    entry["steps"]["refused"] = run.steps_refused  # too many failures: returned on the error, not trained
+    entry["injected"] = run.injected
+    entry["actions"] = run.actions
+    entry["engine"] = {k: run.engine.get(k) for k in ("breaker", "num_paused", "num_resumed", "num_restarted")}
+    entry["engine_failure"] = run.failure
+    if run.notes:
+        entry["notes"] = run.notes
+    return entry
+
+
+def summarize_baseline(run: CaseRun) -> dict[str, float]:
+    outcomes = [o for step in run.returned for o in step]
+    trained = sum(o.trained_tokens for o in outcomes)
+    return {
+        "tps": trained / run.wall_seconds if run.wall_seconds else 0.0,
+        "p50": float(np.percentile(run.step_seconds, 50)),
+        "mean": float(np.mean(run.step_seconds)),
+    }
+
+
+def line(name: str, entry: dict[str, Any]) -> str:
+    """One row of the table."""
+    if "skipped" in entry:
+        return f"{name:31} skipped: {entry['skipped'][:80]}"
+    if "suite_error" in entry:
+        return f"{name:31} NOT RUN, the suite failed: {entry['suite_error'].get('error', '')[:100]}"
+    p, t = entry["prompts"], entry["trajectories"]["by_status"]
+    statuses = " ".join(f"{k[:4]}={v}" for k, v in sorted(t.items()))
+    retries = sum(entry["retries"]["spent_by_class"].values())
+    rel = entry["throughput"].get("relative_to_none")
+    infl = entry["steps"].get("inflation_p50")
+    failure = entry["engine_failure"]
+    return (
+        f"{name:31} taken {p['taken']:3} ret {p['returned']:3} held {p['held']:3} lost {p['lost']:3}  "
+        f"{statuses:38} retries {retries:4}  {entry['throughput']['trained_tokens_per_s']:7.0f} tok/s"
+        f"{'' if rel is None else f' ({rel:.2f}x)':9}  step p50 {entry['steps']['p50_s'] or 0:5.2f}s"
+        f"{'' if infl is None else f' ({infl:.2f}x)':9}  {'' if failure is None else failure['kind'].upper()}"
+    )
+
+
+HEADER = (
+    f"{'fault':31} {'prompts':37} {'trajectories by status':38} {'retries':12} {'throughput':20} "
+    f"{'step time':24} engine"
+)
+
+
+async def run_suite(
+    size: Size,
+    cases: Sequence[Case],
+    *,
+    seed: int = 0,
+    log: Callable[[str], None] = print,
+    workdir: Path | None = None,
+    on_case: Callable[[dict[str, Any]], None] = lambda report: None,
+) -> dict[str, Any]:
+    """The report as a dict: one entry per case under "faults" (`none` first, always), the config, the notes;
+    `on_case(report)` after each case, with the entries so far."""
+    if "none" not in [c.name for c in cases]:
+        cases = [CASES[0], *cases]
+    suite = Suite(size, seed=seed, log=log, workdir=workdir)
+    report: dict[str, Any] = {
+        "faults": {},
+        "config": {
+            "seed": seed, "size": asdict(size), "step_timeout_s": STEP_TIMEOUT_S, "hang_s": HANG_S,
+            "ray_actor_killed_after_step": FAULT_STEP, "kills_between_call_shares": [KILL_FROM, KILL_TO],
+            "workload": asdict(suite.workload), "retry": json.loads(suite.retry.model_dump_json()),
+        },
+        "sglang": {"run": False, "why": SGLANG_NOTE},
+    }  # fmt: skip
+    log(HEADER)
+    await suite.run(cases, report["faults"], lambda: on_case(report))
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("faults-report"))
+    parser.add_argument("--size", choices=list(SIZES), default="small")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--faults", nargs="+", choices=CASE_NAMES, help="cases to run (default: all); none always")
+    parser.add_argument("--sglang", action="store_true", help="the real SGLang CPU server (not run: see the report)")
+    args = parser.parse_args(argv)
+    if args.sglang:
+        print(f"--sglang: {SGLANG_NOTE}", file=sys.stderr)
+    cases = [c for c in CASES if args.faults is None or c.name in args.faults]
+    started = time.monotonic()
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    def save(report: dict[str, Any], *, final: bool = False) -> None:
+        report["size"] = args.size
+        report["total_seconds"] = round(time.monotonic() - started, 1)
+        report["complete"] = final
+        write_outputs(report, args.out, plot=final)
+
+    report = anyio.run(lambda: run_suite(SIZES[args.size], cases, seed=args.seed, workdir=args.out, on_case=save))
+    save(report, final=True)
+    print(f"wrote {args.out}/report.json, report.md, faults.png in {report['total_seconds']:.0f}s")
+    return 0
+
+
+def write_outputs(report: dict[str, Any], out: Path, *, plot: bool = True) -> None:
+    """report.json and report.md (after every case, so an interrupted run keeps what it measured); faults.png."""
+    from benchmarks.faults_report import plot as plot_figure
+    from benchmarks.faults_report import write_markdown
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    write_markdown(report, out / "report.md")
+    if plot:
+        plot_figure(report, out / "faults.png")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,178 @@
+"""The fault suite's Ray case: the rollout service (bridge/service.py) in a named Ray actor (bridge/ray_actor.py),
+driven step by step as slime's generate_rollout drives it through one handle (as slime keeps it on its args),
+and killed between steps FAULT_STEP and FAULT_STEP + 1; the handle's next call creates it again by name.
+
+The actor holds every prompt it was given and has not returned (paused trajectories with their envs, groups
+done and waiting, prompts queued) in its memory; the caller's handle (bridge/ray_actor.py's RayService) keeps
+those groups too, and hands them to the new actor. A prompt held when the actor was killed and not held by the
+new one is counted in `lost_at_actor_restart`; the case's `lost` says whether every prompt came back. The env
+is the workload's (benchmarks/faults_env.py) with the env's reward.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import replace
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import httpx
+
+from benchmarks.faults_env import ARGS_KEY
+from benchmarks.faults_servers import REPO
+
+if TYPE_CHECKING:
+    from benchmarks.faults import Case, CaseRun, Suite
+
+ACTOR_GONE_TIMEOUT_S = 30.0
+
+
+async def run_ray_case(suite: Suite, case: Case) -> CaseRun:
+    from benchmarks.faults import CaseRun
+
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        return CaseRun(case.name, skipped="ray is not installed here (it is part of the dev extra)")
+    return await anyio.to_thread.run_sync(_run, suite, case)
+
+
+class DataSource:
+    """slime's data source shape: get_samples(n) -> n groups of Samples, the workload's prompts in order."""
+
+    def __init__(self, suite: Suite):
+        from bridge.convert import sample_class
+
+        self.suite, self.cls, self.taken = suite, sample_class(), []
+
+    def get_samples(self, num: int) -> list[list[Any]]:
+        n = self.suite.size.n_samples
+        groups = []
+        for row in self.suite.workload.rows(max(0, num), start=len(self.taken)):
+            i = row["metadata"]["prompt_id"]
+            self.taken.append(i)
+            groups.append(
+                [
+                    self.cls(group_index=i, index=i * n + k, prompt=row["prompt"], metadata=dict(row["metadata"]))
+                    for k in range(n)
+                ]
+            )
+        return groups
+
+
+def outcome_of_sample(sample: Any) -> Any:
+    from benchmarks.faults import Outcome
+
+    status = str(sample.status.value)
+    meta = sample.metadata or {}
+    errors = meta.get("errors") or []
+    error_class = errors[-1].split(":", 1)[0].split("/")[-1] if errors and status == "failed" else None
+    trained = 0 if status == "failed" else int(sum(sample.loss_mask or []))
+    return Outcome(status, meta.get("stop_reason"), error_class, dict(meta.get("retries") or {}), trained,
+                   int(sample.group_index))  # fmt: skip
+
+
+def _post(url: str, path: str, body: dict[str, Any]) -> None:
+    with httpx.Client(base_url=url, trust_env=False, timeout=10.0) as client:
+        client.post(path, json=body).raise_for_status()
+
+
+def _run(suite: Suite, case: Case) -> CaseRun:
+    import ray
+
+    from benchmarks.faults import FAULT_STEP, STEP_TIMEOUT_S, WEIGHTS_PATH, CaseRun, failure_record
+    from bridge.ray_actor import NAMESPACE, attach_or_create
+    from bridge.settings import BridgeSettings
+    from engine.scheduler.retry import RetryPolicy
+
+    size, server, run = suite.size, suite.primary, CaseRun(case.name)
+    _post(server.url, "/sim/reset", {"weight_version": "v0"})
+    _post(server.url, "/sim/faults", {"error_rate": 0.0, "malformed_rate": 0.0})
+    _post(server.url, "/stats/reset", {})
+    workload = replace(suite.workload, reward_source="env")  # the bridge scores by the env's reward
+    settings = BridgeSettings(
+        n_samples_per_prompt=size.n_samples, target_groups=size.target_groups, partial_rollout=True,
+        over_sampling=size.over_sampling, max_turns=workload.max_turns, env_path="benchmarks.faults_env",
+        url=server.url, max_tokens=size.max_tokens, sampling=suite.sampling, max_generating=size.server.max_running,
+        max_inflight=math.ceil(size.target_groups * size.over_sampling) * size.n_samples,
+        max_env_steps=size.max_env_steps, policy=size.scheduling, retry=RetryPolicy(env_step_timeout_s=STEP_TIMEOUT_S),
+    )  # fmt: skip
+    env_args = SimpleNamespace(
+        max_turns=workload.max_turns,
+        custom_rm_path="benchmarks.faults_env.reward",
+        **{ARGS_KEY: {f: getattr(workload, f) for f in workload.__dataclass_fields__}},
+    )
+    started_ray = not ray.is_initialized()
+    if started_ray:
+        path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))  # benchmarks.* in the actor
+        ray.init(
+            num_cpus=2, include_dashboard=False, namespace=NAMESPACE, ignore_reinit_error=True, log_to_driver=False,
+            runtime_env={"env_vars": {"PYTHONPATH": path}},
+        )  # fmt: skip
+    name = f"turnstile-faults-{os.getpid()}"
+    run.notes.append(
+        "this case runs the rollout service in a Ray actor (the bridge's path), the others an engine in process: "
+        "against `none`, its throughput and step times include Ray's calls and the new actor's start (restart_s)"
+    )
+    source = DataSource(suite)
+    service = None
+    try:
+        service = attach_or_create(name, settings, env_args)
+        started = time.monotonic()
+        for step in range(size.num_steps):
+            groups = source.get_samples(service.wanted(size.target_groups))
+            begun = time.monotonic()
+            out = service.rollout(step, size.target_groups, groups)
+            run.step_seconds.append(time.monotonic() - begun)
+            run.returned.append([outcome_of_sample(s) for group in out.samples for s in group])
+            run.returned_prompts += [int(group[0].group_index) for group in out.samples]
+            service.pause()
+            version = f"v{step + 1}"
+            _post(server.url, "/update_weights_from_disk", {"model_path": WEIGHTS_PATH, "weight_version": version})
+            if step == FAULT_STEP:
+                held = service.held_prompts()
+                killed = time.monotonic()
+                ray.kill(service._actor, no_restart=True)
+                _wait_gone(ray, name, NAMESPACE)
+                service.num_held()  # the next call finds the actor dead, creates it again, hands it what it held
+                run.lost_at_restart = [int(i) for i in held if i is not None and i not in service.held_prompts()]
+                run.actions.append({
+                    "action": "kill the rollout service's Ray actor; the next call creates it again",
+                    "after_step": step,
+                    "held_when_killed": len(held), "restart_s": round(time.monotonic() - killed, 2),  # until it answers
+                    "restarts": service.restarts,
+                })  # fmt: skip
+            if step + 1 < size.num_steps:
+                service.resume(version)
+        run.wall_seconds = time.monotonic() - started
+        run.held_prompts = [int(i) for i in service.held_prompts() if i is not None]
+        status = service.status()
+        run.engine = {"status": status}
+    except Exception as exc:  # noqa: BLE001 -- recorded; the suite goes on
+        run.failure = failure_record("step_error", exc, step=len(run.step_seconds), where="ray service")
+        run.wall_seconds = run.wall_seconds or sum(run.step_seconds)
+    finally:
+        run.taken = list(source.taken)
+        if service is not None:
+            try:
+                service.shutdown()
+            except Exception as exc:  # noqa: BLE001
+                run.notes.append(f"shutting the actor down failed: {exc!r}")
+        if started_ray:
+            ray.shutdown()
+    return run
+
+
+def _wait_gone(ray: Any, name: str, namespace: str) -> None:
+    """Until the killed actor's name is free (ray.kill returns before the actor is gone); bounded."""
+    deadline = time.monotonic() + ACTOR_GONE_TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor(name, namespace=namespace)
+        except ValueError:
+            return
+        time.sleep(0.1)  # Ray gives no event for an actor's end
+    raise TimeoutError(f"the killed actor {name!r} was still registered after {ACTOR_GONE_TIMEOUT_S:g} s")

@@ -1,0 +1,163 @@
+"""The fault-injection suite (benchmarks/faults.py) end to end at its smallest size: every fault injected, no
+prompt lost, the engine neither crashed nor hung, and the report, table and figure written. Also the simulated
+server's own fault injection, and its restart on the same port."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from benchmarks.faults import CASES, SIZES, main
+from benchmarks.faults_servers import SimProcess
+from benchmarks.longtail_model import IM_END, IM_START
+from benchmarks.simserver import SimConfig
+from engine.backends.base import SamplingParams
+from engine.backends.sglang import SGLangBackend
+from engine.errors import BackendError, ErrorClass
+
+SIZE = "smoke"
+ENGINE_CASES = [case.name for case in CASES if not case.ray]
+BY_NAME = {case.name: case for case in CASES}
+LOW_RATE = {"env_exception_1pct", "all"}  # rates of 0.5-2%: in so few calls they may draw nothing
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory):
+    out = tmp_path_factory.mktemp("faults")
+    assert main(["--out", str(out), "--size", SIZE, "--faults", *ENGINE_CASES]) == 0
+    return json.loads((out / "report.json").read_text()), out
+
+
+@pytest.fixture(scope="module")
+def ray_suite(tmp_path_factory):
+    pytest.importorskip("ray", reason="Ray is part of the dev extra; install it with `pip install -e .[dev]`")
+    out = tmp_path_factory.mktemp("faults-ray")
+    assert main(["--out", str(out), "--size", SIZE, "--faults", "ray_actor_restart"]) == 0
+    return entry_of(json.loads((out / "report.json").read_text()), "ray_actor_restart")
+
+
+def entry_of(report: dict, name: str) -> dict:
+    """A case's entry; a case that cannot run here (no sglang-router, no Ray) skips, saying why."""
+    entry = report["faults"][name]
+    if "skipped" in entry:
+        print(f"{name} skipped: {entry['skipped']}")
+        pytest.skip(entry["skipped"])
+    assert "suite_error" not in entry, entry["suite_error"]
+    return entry
+
+
+@pytest.mark.anyio
+async def test_the_simulated_server_injects_server_errors_and_malformed_replies_and_restarts_on_its_port():
+    prompt = [IM_START, 872, 198, 1000, IM_END, 198, IM_START, 77091, 198]
+    params = SamplingParams(max_new_tokens=32, stop_token_ids=(IM_END,))
+    with SimProcess(SimConfig(max_running=4, median_tokens=8.0, sigma=0.0)) as server:
+        async with SGLangBackend(server.url, timeout=30) as backend, httpx.AsyncClient(base_url=server.url) as http:
+            (await http.post("/sim/faults", json={"error_rate": 1.0})).raise_for_status()
+            with pytest.raises(BackendError) as raised:
+                await backend.generate(prompt, params)
+            assert raised.value.error_class is ErrorClass.SERVER and "HTTP 503" in raised.value.message
+            (await http.post("/sim/faults", json={"error_rate": 0.0, "malformed_rate": 1.0})).raise_for_status()
+            for _ in range(6):  # each kind of malformed body is one the client refuses
+                with pytest.raises(BackendError) as raised:
+                    await backend.generate(prompt, params)
+                assert raised.value.error_class is ErrorClass.MALFORMED
+            (await http.post("/sim/faults", json={"malformed_rate": 0.0})).raise_for_status()
+            assert (await backend.generate(prompt, params)).finish_reason == "stop"
+            faults = (await http.get("/sim/faults")).json()
+            assert faults["injected"] == {"server_error": 1, "malformed": 6}
+            assert (await http.get("/stats")).json()["injected"] == faults["injected"]
+            assert (await http.post("/sim/faults", json={"bogus": 1})).status_code == 400
+
+            server.kill()
+            with pytest.raises(BackendError) as raised:
+                await backend.generate(prompt, params)
+            assert raised.value.error_class is ErrorClass.CONNECTION
+            server.start()  # the same port: the client carries on
+            assert (await backend.generate(prompt, params)).finish_reason == "stop"
+
+
+@pytest.mark.slow
+def test_the_suite_writes_a_report_with_an_entry_per_fault_a_table_and_a_figure(suite):
+    report, out = suite
+    assert list(report["faults"]) == ENGINE_CASES
+    assert report["size"] == SIZE and report["complete"] and report["sglang"]["run"] is False
+    assert report["sglang"]["why"]
+    table = (out / "report.md").read_text()
+    assert all(name in table for name in ENGINE_CASES)
+    assert (out / "faults.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ENGINE_CASES)
+def test_no_fault_loses_a_prompt_or_breaks_the_engine(suite, name):
+    entry = entry_of(suite[0], name)
+    size = SIZES[SIZE]
+    prompts = entry["prompts"]
+    assert entry["engine_failure"] is None, entry["engine_failure"]
+    assert prompts["lost"] == 0, prompts
+    assert prompts["returned_twice"] == 0
+    assert prompts["taken"] == prompts["returned"] + prompts["held"] + prompts["dropped"]
+    assert entry["steps"]["completed"] == size.num_steps
+    assert prompts["returned"] == size.num_steps * size.target_groups
+    assert entry["trajectories"]["returned"] == prompts["returned"] * size.n_samples
+    assert sum(entry["trajectories"]["by_status"].values()) == entry["trajectories"]["returned"]
+    assert entry["throughput"]["trained_tokens"] > 0
+    retries = entry["retries"]
+    assert retries["most_by_one_trajectory"] <= retries["budget_per_trajectory"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n in ENGINE_CASES if n != "none"])
+def test_each_fault_is_injected_and_shows_in_the_figures(suite, name):
+    entry, case = entry_of(suite[0], name), BY_NAME[name]
+    injected, actions, spent = entry["injected"], entry["actions"], entry["retries"]["spent_by_class"]
+    failed = entry["trajectories"]["by_status"].get("failed", 0)
+    required = name not in LOW_RATE  # a low rate may draw nothing in so few calls; kills always happen
+    if case.env is not None and required:
+        assert sum(injected["env"].values()) > 0, injected
+    if case.reward_error_rate:
+        raised = injected["reward"]["raised"]
+        assert raised > 0 or not required
+        assert (spent.get("reward", 0) > 0) == (raised > 0), (raised, spent)  # a reward error is retried
+    if case.server_faults:
+        server = sum(injected["server"].values()) + sum(injected.get("server_before_restart", {}).values())
+        assert server > 0 or not required
+        if server:
+            assert spent.get("server", 0) + spent.get("malformed", 0) > 0, spent
+    if case.kill_envs:
+        kills = [a for a in actions if a["action"] == "kill env process"]
+        assert len(kills) == case.kill_envs and all(a.get("pid") for a in kills), actions
+        assert failed + spent.get("env_exception", 0) > 0
+    if case.restart_server:
+        assert any(a["action"] == "kill and restart the server" for a in actions)
+        assert spent.get("connection", 0) > 0, spent
+    if case.kill_worker:
+        assert any(a["action"] == "kill one of two servers for good" for a in actions)
+    if required and not case.kill_worker:  # behind a router, the router's own retries may hide a dead worker
+        assert failed + sum(spent.values()) > 0, (failed, spent)
+    assert entry["throughput"]["relative_to_none"] > 0
+    assert entry["steps"]["inflation_p50"] > 0 and entry["steps"]["inflation_mean"] > 0
+
+
+@pytest.mark.slow
+def test_a_ray_actor_restart_is_accounted_for(ray_suite):
+    entry = ray_suite
+    prompts = entry["prompts"]
+    assert entry["engine_failure"] is None, entry["engine_failure"]
+    [kill] = entry["actions"]
+    assert kill["action"].startswith("kill the rollout service's Ray actor")
+    assert prompts["lost_at_actor_restart"] == 0  # the caller's handle gave the new actor what the dead one held
+    assert prompts["taken"] == prompts["returned"] + prompts["held"] + prompts["lost"]
+    assert prompts["returned_twice"] == 0
+    assert entry["steps"]["completed"] == SIZES[SIZE].num_steps
+
+
+@pytest.mark.slow
+def test_a_ray_actor_restart_loses_no_prompt(ray_suite):
+    [kill] = [a for a in ray_suite["actions"] if a["action"].startswith("kill the rollout service's Ray actor")]
+    if not kill["held_when_killed"]:
+        pytest.skip("the actor held nothing when it was killed: nothing to lose")
+    assert kill["restarts"] == 1
+    assert ray_suite["prompts"]["lost"] == 0 and ray_suite["prompts"]["lost_at_actor_restart"] == 0
