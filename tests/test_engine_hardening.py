@@ -329,3 +329,27 @@ def test_breaker_statistics_change_nothing(caplog):
     assert (snapshot.is_open, snapshot.attempts, snapshot.times_opened) == (False, 0, 1)
     assert "breaker closed" not in caplog.text  # only the engine's own reads move the breaker on
     assert not breaker.is_open and "breaker closed" in caplog.text
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("failures", [1, 99])
+async def test_an_env_factory_that_raises_is_an_env_exception_retried_within_the_budget(encoder, failures):
+    calls = {"n": 0}
+
+    def build(sample):
+        calls["n"] += 1
+        if calls["n"] <= failures:
+            raise RuntimeError("sandbox quota exceeded")
+        return EnvRunner(TurnsEnv(1))
+
+    async with run_engine(encoder, rows(1), env=build, n_samples_per_prompt=1) as engine:
+        [group] = await engine.rollout(1)
+    [trajectory] = group.trajectories
+    if failures == 1:  # built again once (the env_exception budget of a turn), then it runs
+        assert trajectory.status is Status.COMPLETED and trajectory.metadata["retries"] == {"env_exception": 1}
+    else:
+        assert (trajectory.status, trajectory.stop_reason) == (Status.FAILED, StopReason.ENV_ERROR)
+        [error] = trajectory.errors
+        assert error.error_class is ErrorClass.ENV_EXCEPTION
+        assert "building the env raised RuntimeError('sandbox quota exceeded')" in error.message
+        assert calls["n"] == 2

@@ -341,19 +341,25 @@ class Scheduler:
     async def _build_env(
         self, trajectory: Trajectory, env: _Env, *, replay: bool, encoder: ChatEncoder, skip: bool
     ) -> None:
-        """A fresh env for the trajectory (the one before closed, in the background of its own call), reset
-        and, when `replay`, stepped through the earlier responses."""
+        """A fresh env for the trajectory (the one before is closed first; a call of it still running is
+        waited for, bounded by the close timeout) and, when `replay` (a step is to be retried), reset and
+        stepped through the earlier responses. A factory that raises is an ENV_EXCEPTION."""
         old, env.runner = env.runner, None
         if old is not None:
             await close_env(old, trajectory)
-        runner = env.build()
-        if isinstance(runner, Awaitable):
-            runner = await runner
+        try:
+            runner = env.build()
+            if isinstance(runner, Awaitable):
+                runner = await runner
+        except EnvError:
+            raise
+        except Exception as exc:
+            raise EnvError(ErrorClass.ENV_EXCEPTION, f"building the env raised {exc!r}") from exc
         runner.limiter, runner.deadlines = self._env_threads, self.deadlines
         if runner.step_timeout is None:
             runner.step_timeout = self.retry.env_step_timeout_s
         env.runner = runner
-        if old is not None and replay:
+        if replay:
             await self._replay(trajectory, runner, encoder, skip)
 
     async def _replay(
