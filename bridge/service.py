@@ -188,7 +188,7 @@ class RolloutService:
         its metrics cover every call of the same `rollout_id` so far."""
         if self._step is None or self._step.rollout_id != rollout_id:
             self._step = _Step(rollout_id, time.monotonic(), self.engine.statistics())
-        self._source.put(row_from_group(group, rollout_id) for group in groups)
+        await self._queue([(rollout_id, group) for group in groups])
         self.scoring.rollout_id = rollout_id
         try:
             finished = await self.engine.rollout(target)

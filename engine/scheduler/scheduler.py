@@ -391,8 +391,8 @@ class Scheduler:
     async def _stale(self, trajectory: Trajectory, env: _Env, budget: RetryBudget) -> bool:
         """Too stale to go on or to return: start again from the prompt (tokens discarded, env reset), and
         True; or, with `on_stale="finish"` or its restarts spent, False (it ends STALE)."""
-        if self.on_stale == "finish" or trajectory.metadata.get("num_restarts", 0) >= self.max_restarts:
-            self._counts["finished_stale"] += 1
+        if not self.may_restart(trajectory):
+            self.count_finished_stale()
             return False
         self.count_discarded(trajectory)
         trajectory.restart()
@@ -402,7 +402,7 @@ class Scheduler:
         return True
 
     def may_restart(self, trajectory: Trajectory) -> bool:
-        """Whether an ended trajectory gone too stale may run again (else it is not returned for training)."""
+        """Whether a trajectory gone too stale may run again (else it ends STALE, not trained on)."""
         return self.on_stale == "restart" and trajectory.metadata.get("num_restarts", 0) < self.max_restarts
 
     def count_discarded(self, trajectory: Trajectory) -> None:
