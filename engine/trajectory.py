@@ -162,13 +162,13 @@ class Trajectory:
         self.spans.append(Span(self.response_length, len(token_ids), weight_version))
         self.tokens.extend(token_ids)
         self.logprobs.extend(logprobs)
-        self.loss_mask.extend(itertools.repeat(1, len(token_ids)))
+        self.loss_mask.frombytes(b"\x01" * len(token_ids))
 
     def append_observation(self, token_ids: Sequence[int]) -> None:
         """Environment tokens: loss mask 0, log-prob 0.0."""
         self.tokens.extend(token_ids)
-        self.logprobs.extend(itertools.repeat(0.0, len(token_ids)))
-        self.loss_mask.extend(itertools.repeat(0, len(token_ids)))
+        self.logprobs.frombytes(bytes(self.logprobs.itemsize * len(token_ids)))  # zero bytes: 0.0
+        self.loss_mask.frombytes(bytes(len(token_ids)))
 
     # -- state ------------------------------------------------------------------------------------
     def transition(self, to: Status, stop_reason: StopReason | None = None) -> None:

@@ -13,6 +13,10 @@ one and cancels the scopes whose time is up. Calls with the same timeout end in 
 filed, so each timeout keeps its own insertion-ordered dict and the earliest deadline is its first
 entry; a call that returns removes its entry at once. Until `watch` runs, `after` falls back to a
 cancel scope with a deadline of its own.
+
+Deadlines are on `time.monotonic()` (the watcher only ever sleeps for a difference of two readings), and
+the scopes are made from the running backend's own cancel-scope class, looked up once by `watch`:
+`anyio.CancelScope()` looks the backend up again on every call, a real share of an env call's cost.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import time
 from typing import Any
 
 import anyio
@@ -31,6 +36,7 @@ class Deadlines:
         self._keys = itertools.count()
         self._wake = anyio.Event()
         self._sleeping_until = math.inf
+        self._scope_type: type[anyio.CancelScope] = anyio.CancelScope
         self.is_watching = False
 
     def after(self, timeout: float) -> contextlib.AbstractContextManager[anyio.CancelScope]:
@@ -41,10 +47,11 @@ class Deadlines:
 
     async def watch(self) -> None:
         """Cancel each filed scope once its deadline passes; runs until cancelled."""
+        self._scope_type = type(anyio.CancelScope())  # the backend's class: made directly from here on
         self.is_watching = True
         try:
             while True:
-                now = anyio.current_time()
+                now = time.monotonic()
                 earliest = math.inf
                 for filed in self._filed.values():
                     while filed:
@@ -74,12 +81,12 @@ class _Filed:
 
     def __enter__(self) -> anyio.CancelScope:
         d = self.deadlines
-        deadline = anyio.current_time() + self.timeout
+        deadline = time.monotonic() + self.timeout
         filed = d._filed.get(self.timeout)
         if filed is None:
             filed = d._filed[self.timeout] = {}
         self.filed, self.key = filed, next(d._keys)
-        self.scope = anyio.CancelScope().__enter__()
+        self.scope = d._scope_type().__enter__()
         filed[self.key] = (deadline, self.scope)
         if deadline < d._sleeping_until:
             d._wake.set()

@@ -15,7 +15,7 @@ import logging
 import random
 import threading
 import time
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt
@@ -70,26 +70,27 @@ class RetryBudget:
 
     def __init__(self, policy: RetryPolicy):
         self.policy = policy
-        self.total = 0
-        self.by_class: Counter[ErrorClass] = Counter()
+        self.total = 0  # retries spent in all
+        self.by_class: dict[ErrorClass, int] = {}
         self._turn = -1
-        self._this_turn: Counter[ErrorClass] = Counter()
+        self._this_turn: dict[ErrorClass, int] = {}  # of `_turn`; most trajectories never spend one
 
     def charge(self, error: TurnError, turn: int) -> int | None:
         """Spend one retry of `error` in `turn`: the attempt number to back off for, or None when a
         budget is spent (the caller fails the trajectory with `error`)."""
         if turn != self._turn:
-            self._turn, self._this_turn = turn, Counter()
+            self._turn, self._this_turn = turn, {}
         cls = error.error_class
-        if self._this_turn[cls] >= self.policy.per_turn.get(cls, 0) or self.total >= self.policy.per_trajectory:
+        spent = self._this_turn.get(cls, 0)
+        if spent >= self.policy.per_turn.get(cls, 0) or self.total >= self.policy.per_trajectory:
             return None
-        self._this_turn[cls] += 1
-        self.by_class[cls] += 1
+        self._this_turn[cls] = spent + 1
+        self.by_class[cls] = self.by_class.get(cls, 0) + 1
         self.total += 1
-        return self._this_turn[cls] - 1
+        return spent
 
     def spent_in(self, turn: int) -> int:
-        return sum(self._this_turn.values()) if turn == self._turn else 0
+        return sum(self._this_turn.values()) if turn == self._turn and self._this_turn else 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +108,9 @@ class CircuitBreaker:
     Outcomes are counted in `BUCKETS` time buckets over the window (so memory stays flat at any turn
     rate, and the window moves on in steps of `window_s / BUCKETS`). `record` and `is_open` run on the
     engine's loop; `statistics` may be read from any thread (the Prometheus exporter's): it is a
-    read-only snapshot, and a lock keeps it from seeing a half-done update."""
+    read-only snapshot. A lock keeps it from seeing the buckets change shape; the counts in a bucket
+    are written by the loop alone, attempts before failures, so a snapshot never has more failures
+    than attempts."""
 
     BUCKETS = 32
 
@@ -124,14 +127,16 @@ class CircuitBreaker:
     def record(self, ok: bool) -> None:
         """One attempt's outcome; `is_open` (read before each admission) judges the window."""
         key = int(self._clock() // self._resolution)
-        with self._lock:
-            if not self._buckets or self._buckets[-1][0] != key:
-                self._buckets.append([key, 0, 0])
-            bucket = self._buckets[-1]
-            bucket[1] += 1
-            bucket[2] += not ok
-            self._attempts += 1
-            self._failures += not ok
+        buckets = self._buckets
+        if not buckets or buckets[-1][0] != key:
+            with self._lock:
+                buckets.append([key, 0, 0])
+        bucket = buckets[-1]
+        bucket[1] += 1
+        self._attempts += 1
+        if not ok:
+            bucket[2] += 1
+            self._failures += 1
 
     @property
     def is_open(self) -> bool:
