@@ -30,24 +30,42 @@ fail is drawn from a generator seeded with `fault_seed`, in the order requests a
 {"error_rate", "malformed_rate", "error_status", "fault_seed"} changes them while the server runs (the
 generator is seeded again); GET /sim/faults gives them and how many of each were injected since the last
 POST /stats/reset (also in /stats, as `injected`).
+
+Many servers (`--kv-tokens N --servers S`): one process serves S simulated servers, server i under the path
+prefix `/s/i` (`http://127.0.0.1:PORT/s/3` is a server's URL: `/s/3/generate`, `/s/3/get_load`, ...), all sharing
+the one model, so a trajectory continues the same way on whichever server serves its next turn. Each server has a
+KV cache of `kv_tokens` tokens (`KVCache`): a running request holds its prompt and the tokens it will generate,
+and must fit, else it waits; what finished requests leave is a prefix cache over token ids (16-token blocks
+chained by hash, a radix tree's paths) evicted least recently used first, deepest blocks first. A request pays
+prefill only for its uncached tokens and its reply's `meta_info.cached_tokens` says how many were cached. Time is
+kept by events, not steps (`CachedServer`): running requests advance together at one token per
+`decode_a + decode_b * running` seconds, stalled while a prefill of `prefill_s_per_token` per uncached token runs;
+one timer per server fires at the next finish. `GET /s/i/get_load` answers as SGLang's `/get_load` does (one
+entry per data-parallel rank: `num_reqs`, `num_waiting_reqs`, `num_tokens`); `GET /stats` gives each server's
+measurements and their sum, `POST /stats/reset` and `POST /sim/reset` act on every server.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import heapq
+import itertools
 import json
+import math
 import random
 import signal
 import time
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import orjson
 from aiohttp import web
 
-from benchmarks.longtail_model import PrefixCache, Request, Stats, TurnModel
+from benchmarks.longtail_model import IM_END, PrefixCache, Request, Stats, Stream, TurnModel
 
 MAX_DEBT_S = 0.005
 
@@ -71,6 +89,9 @@ class SimConfig:
     error_status: int = 503
     malformed_rate: float = 0.0  # share generated in full, then answered with a body that is no generate reply
     fault_seed: int = 0
+    # many servers in one process (see "Many servers" in the module docstring); 0: the one server above
+    kv_tokens: int = 0  # each server's KV-cache capacity in tokens: running requests' and cached prefixes'
+    servers: int = 1
 
 
 FAULT_KEYS = ("error_rate", "malformed_rate", "error_status", "fault_seed")
@@ -369,6 +390,427 @@ class SimServer:
         return app
 
 
+# -- many servers in one process: KV capacity, a prefix cache, event-driven timing ------------------------------
+BLOCK = 16
+
+
+def chain(ids: Sequence[int], parent: int = 0) -> list[int]:
+    """The hashes of `ids`' full 16-token blocks, each chained over the ones before it from `parent`."""
+    hashes, h = [], parent
+    for i in range(0, len(ids) - BLOCK + 1, BLOCK):
+        h = hash((h, *ids[i : i + BLOCK]))
+        hashes.append(h)
+    return hashes
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """What a running request holds: the cached blocks it reuses, and blocks of its own."""
+
+    prefix: list[int]
+    num_private: int
+
+
+class KVCache:
+    """One server's KV memory in 16-token blocks: blocks running requests hold (a shared prefix counted once),
+    and cached blocks no request holds, evicted least recently used first. A block is named by its chain hash,
+    so a cached block is a path of a radix tree over token ids; the weight epoch seeds the chain, so a weight
+    update makes every older block unreachable (and first out)."""
+
+    def __init__(self, capacity_tokens: int):
+        self.capacity = max(1, capacity_tokens // BLOCK)
+        self.holders: dict[int, int] = {}  # cached block -> running requests holding it
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks none holds, least recent first
+        self.num_private = 0  # blocks running requests hold of their own (uncached prompt, output)
+        self.num_evicted = 0
+
+    @property
+    def num_used(self) -> int:
+        return len(self.holders) + self.num_private
+
+    def num_cached(self, hashes: Sequence[int]) -> int:
+        """How many leading blocks of `hashes` are cached."""
+        n = 0
+        for h in hashes:
+            if h not in self.holders:
+                break
+            n += 1
+        return n
+
+    def allocate(self, hashes: list[int], num_tokens: int) -> Lease | None:
+        """Hold the cached prefix of a request of `num_tokens` tokens (prompt and output) whose prompt's blocks
+        are `hashes`, and room for the rest, evicting as needed; None when it cannot fit now."""
+        cached = self.num_cached(hashes)
+        prefix = hashes[:cached]
+        private = max(0, math.ceil(num_tokens / BLOCK) - cached)
+        reused_evictable = sum(1 for h in prefix if self.holders[h] == 0)
+        if self.capacity - self.num_used + len(self.evictable) - reused_evictable < private:
+            return None
+        for h in prefix:
+            if self.holders[h] == 0:
+                del self.evictable[h]
+            self.holders[h] += 1
+        self._evict(private)
+        self.num_private += private
+        return Lease(prefix, private)
+
+    def release(self, lease: Lease, hashes: list[int]) -> None:
+        """A request ended: `hashes` (its prompt's and output's full blocks) stay cached, deepest first out."""
+        for h in lease.prefix:
+            self.holders[h] -= 1
+        self.num_private -= lease.num_private
+        for h in reversed(hashes):  # deepest first, so the deepest ends up least recent: evicted before its prefix
+            if self.holders.setdefault(h, 0) == 0:
+                self.evictable[h] = None
+                self.evictable.move_to_end(h)
+        self._evict(0)
+
+    def _evict(self, room: int) -> None:
+        while self.capacity - self.num_used < room and self.evictable:
+            h, _ = self.evictable.popitem(last=False)
+            del self.holders[h]
+            self.num_evicted += 1
+
+    def clear(self) -> None:
+        for h in self.evictable:
+            del self.holders[h]
+        self.evictable.clear()
+
+
+@dataclass(slots=True, eq=False)
+class Job:
+    """A request on a `CachedServer`: it generates `num_tokens` of `stream` from `offset` on."""
+
+    rid: str
+    input_ids: list[int]
+    stream: Stream
+    offset: int
+    num_tokens: int
+    finish_type: str  # "length" or "stop", when all num_tokens are out
+    future: asyncio.Future
+    created: float
+    hashes: list[int] = field(default_factory=list)
+    lease: Lease | None = None
+    cached_tokens: int = 0
+    started_v: float = 0.0
+    is_running: bool = False
+
+
+class CachedServer:
+    """One simulated server with a KV capacity and a prefix cache, timed by events (see the module docstring)."""
+
+    def __init__(self, config: SimConfig, model: TurnModel, index: int = 0):
+        self.config, self.model, self.index = config, model, index
+        self.cache = KVCache(config.kv_tokens)
+        self.epoch = 0  # weight updates so far: seeds the block chain
+        self.weight_version = config.weight_version
+        self.waiting: deque[Job] = deque()
+        self.running: set[Job] = set()
+        self._finishing: list[tuple[float, int, Job]] = []  # (v at which it ends, serial, job); lazily pruned
+        self._serial = itertools.count()
+        self.paused = False
+        self.v = 0.0  # tokens each running request has advanced by, since the server started
+        self._last = time.monotonic()
+        self._stall_until = 0.0  # a prefill runs until then: no decoding
+        self._timer: asyncio.TimerHandle | None = None
+        self.stats = Stats()
+
+    # -- time --------------------------------------------------------------------------------------------------
+    def _step_seconds(self) -> float:
+        return self.config.decode_a + self.config.decode_b * len(self.running)
+
+    def _advance(self, now: float) -> None:
+        """Bring `v` and the measurements up to `now` (the running set has not changed since `_last`)."""
+        elapsed = now - self._last
+        if elapsed <= 0:
+            return
+        if self.running:
+            self.stats.running_seconds += len(self.running) * elapsed
+            self.stats.busy_seconds += elapsed
+            if not self.paused:
+                decoding = now - max(self._last, min(self._stall_until, now))
+                self.v += decoding / self._step_seconds()
+        self._last = now
+
+    def progress(self) -> float:
+        """Tokens each running request has advanced by since the server started, as of now."""
+        self._advance(time.monotonic())
+        return self.v
+
+    def _settle(self) -> None:
+        """Finish what is due, admit what fits, and set the timer for the next finish."""
+        now = time.monotonic()
+        self._advance(now)
+        while self._finishing and self._finishing[0][0] <= self.v + 1e-6:
+            _, _, job = heapq.heappop(self._finishing)
+            if job.is_running:
+                self._end(job, job.num_tokens, {"type": job.finish_type})
+        if not self.paused:
+            self._admit(now)
+        self._schedule(now)
+
+    def _schedule(self, now: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        while self._finishing and not self._finishing[0][2].is_running:
+            heapq.heappop(self._finishing)
+        if self.paused or not self._finishing:
+            return
+        start = max(now, self._stall_until)
+        when = start + max(0.0, self._finishing[0][0] - self.v) * self._step_seconds()
+        self._timer = asyncio.get_running_loop().call_later(max(0.0, when - now), self._settle)
+
+    def _admit(self, now: float) -> None:
+        uncached = 0
+        while self.waiting and len(self.running) < self.config.max_running:
+            job = self.waiting[0]
+            job.hashes = chain(job.input_ids, self.epoch)
+            lease = self.cache.allocate(job.hashes, len(job.input_ids) + job.num_tokens)
+            if lease is None:
+                break  # first come, first served: the head waits for room
+            self.waiting.popleft()
+            job.lease, job.is_running, job.started_v = lease, True, self.v
+            job.cached_tokens = min(len(lease.prefix) * BLOCK, len(job.input_ids) - 1)
+            uncached += len(job.input_ids) - job.cached_tokens
+            self.stats.cached_tokens += job.cached_tokens
+            self.running.add(job)
+            heapq.heappush(self._finishing, (self.v + job.num_tokens, next(self._serial), job))
+        if uncached:
+            self.stats.prefill_tokens += uncached
+            self._stall_until = max(now, self._stall_until) + self.config.prefill_s_per_token * uncached
+
+    def _end(self, job: Job, num_generated: int, reason: dict[str, Any]) -> None:
+        """The one place a job ends: its blocks cached, its reply sent."""
+        if job.is_running:
+            self.running.discard(job)
+            job.is_running = False
+            tokens = job.stream.tokens[job.offset : job.offset + num_generated]
+            self.cache.release(job.lease, chain([*job.input_ids, *tokens.tolist()], self.epoch))
+        self.stats.generated_tokens += num_generated
+        if reason["type"] == "abort":
+            self.stats.num_aborted += 1
+            self.stats.aborted_tokens += num_generated
+            if job.offset == 0 and num_generated == 0:
+                self.model.release(job.stream)
+        if not job.future.done():
+            job.future.set_result(self._reply(job, num_generated, reason))
+
+    def _reply(self, job: Job, n: int, reason: dict[str, Any]) -> dict[str, Any]:
+        window = slice(job.offset, job.offset + n)
+        tokens, logprobs = job.stream.tokens[window].tolist(), job.stream.logprobs[window].tolist()
+        if reason["type"] == "length":
+            reason = {"type": "length", "length": n}
+        elif reason["type"] == "stop":
+            reason = {"type": "stop", "matched": IM_END}
+        meta = {
+            "id": job.rid, "finish_reason": reason, "prompt_tokens": len(job.input_ids), "completion_tokens": n,
+            "cached_tokens": job.cached_tokens, "weight_version": self.weight_version,
+            "output_token_logprobs": [[lp, t, None] for lp, t in zip(logprobs, tokens, strict=True)],
+            "e2e_latency": time.monotonic() - job.created,
+        }  # fmt: skip
+        return {"text": f"<{n} simulated tokens>", "output_ids": tokens, "meta_info": meta}
+
+    # -- requests ----------------------------------------------------------------------------------------------
+    def submit(self, rid: str, input_ids: list[int], max_new_tokens: int) -> asyncio.Future:
+        stream, offset = self.model.open_turn(input_ids)
+        remaining = len(stream.tokens) - offset
+        num_tokens = max(0, min(max_new_tokens, remaining))
+        finish_type = "length" if num_tokens == max_new_tokens else "stop"
+        future = asyncio.get_running_loop().create_future()
+        job = Job(rid, input_ids, stream, offset, num_tokens, finish_type, future, time.monotonic())
+        self.stats.num_requests += 1
+        if num_tokens == 0:
+            self._end(job, 0, {"type": finish_type})
+        else:
+            self._advance(time.monotonic())
+            self.waiting.append(job)
+            self._settle()
+        return future
+
+    def abort(self, matches) -> int:
+        self._advance(time.monotonic())
+        hit = [job for job in [*self.waiting, *self.running] if matches(job)]
+        self.waiting = deque(job for job in self.waiting if not matches(job))
+        for job in hit:
+            generated = int(self.v - job.started_v + 1e-6) if job.is_running else 0
+            message = "Abort running request" if job.is_running else "Abort in waiting queue"
+            self._end(job, min(max(generated, 0), job.num_tokens), {"type": "abort", "message": message})
+        self._settle()
+        return len(hit)
+
+    def pause(self, mode: str) -> None:
+        """Mode "in_place" holds running requests until `resume`; "abort" aborts every request first."""
+        if mode == "abort":
+            self.abort(lambda job: True)
+        self._advance(time.monotonic())
+        self.paused = True
+        self._schedule(time.monotonic())
+
+    def resume(self) -> None:
+        self._advance(time.monotonic())
+        self.paused = False
+        self._settle()
+
+    def update_weights(self, version: str) -> None:
+        self.weight_version = version
+        self.epoch += 1
+        self.cache.clear()
+
+    def load(self) -> list[dict[str, Any]]:
+        """As SGLang's GET /get_load: one entry per data-parallel rank (one here); `num_tokens` is the KV the
+        running requests hold (cached blocks no request holds are free to evict, so they do not count)."""
+        tokens = (self.cache.num_used - len(self.cache.evictable)) * BLOCK
+        return [{"dp_rank": 0, "num_reqs": len(self.running), "num_waiting_reqs": len(self.waiting),
+                 "num_tokens": tokens}]  # fmt: skip
+
+    def snapshot(self) -> dict[str, Any]:
+        self._advance(time.monotonic())
+        out = self.stats.snapshot(self.config.max_running)
+        out.update(
+            num_running=len(self.running), num_waiting=len(self.waiting), paused=self.paused,
+            kv_used_tokens=self.cache.num_used * BLOCK, kv_capacity_tokens=self.cache.capacity * BLOCK,
+            num_evicted_blocks=self.cache.num_evicted,
+        )  # fmt: skip
+        return out
+
+    def reset_stats(self) -> None:
+        self._advance(time.monotonic())
+        self.stats = Stats()
+        self.cache.num_evicted = 0
+
+
+SUMMED = ("running_seconds", "busy_seconds", "num_requests", "num_aborted", "generated_tokens", "aborted_tokens",
+          "prefill_tokens", "cached_tokens", "num_running", "num_waiting", "num_evicted_blocks")  # fmt: skip
+
+
+class Fleet:
+    """`servers` CachedServers behind one HTTP app, server i under `/s/i` (see the module docstring)."""
+
+    def __init__(self, config: SimConfig):
+        self.config = config
+        self.reset(config.weight_version)
+
+    def reset(self, weight_version: str) -> None:
+        for server in getattr(self, "servers", ()):
+            server.abort(lambda job: True)
+        cfg = self.config
+        model = TurnModel(cfg.seed, cfg.median_tokens, cfg.sigma, cfg.max_turn_tokens)
+        config = SimConfig(**{**asdict(cfg), "weight_version": weight_version})
+        self.servers = [CachedServer(config, model, i) for i in range(cfg.servers)]
+
+    def _server(self, http: web.Request) -> CachedServer:
+        index = int(http.match_info["index"])
+        if not 0 <= index < len(self.servers):
+            raise web.HTTPNotFound(text=f"no simulated server {index}; there are {len(self.servers)}")
+        return self.servers[index]
+
+    async def generate(self, http: web.Request) -> web.Response:
+        server = self._server(http)
+        try:
+            body = orjson.loads(await http.read())
+            input_ids = [int(t) for t in body["input_ids"]]
+            max_new_tokens = int((body.get("sampling_params") or {}).get("max_new_tokens", 128))
+        except (ValueError, KeyError, TypeError) as exc:
+            return web.json_response({"object": "error", "message": f"bad request: {exc!r}", "code": 400}, status=400)
+        rid = str(body.get("rid") or uuid.uuid4().hex)
+        future = server.submit(rid, input_ids, max_new_tokens)
+        try:
+            reply = await future
+        except asyncio.CancelledError:  # the client went away
+            server.abort(lambda job: job.future is future)
+            raise
+        return web.Response(body=orjson.dumps(reply), content_type="application/json")
+
+    async def abort_request(self, http: web.Request) -> web.Response:
+        server, body = self._server(http), await _body(http)
+        if body.get("abort_all"):
+            server.abort(lambda job: True)
+        elif body.get("rid"):
+            server.abort(lambda job, prefix=str(body["rid"]): job.rid.startswith(prefix))
+        return web.json_response({})
+
+    async def pause_generation(self, http: web.Request) -> web.Response:
+        server, mode = self._server(http), (await _body(http)).get("mode", "abort")
+        if mode not in ("abort", "in_place"):
+            message = f"pause mode {mode!r} is not simulated with many servers; use 'abort' or 'in_place'"
+            return web.json_response({"object": "error", "message": message, "code": 400}, status=400)
+        server.pause(mode)
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def continue_generation(self, http: web.Request) -> web.Response:
+        self._server(http).resume()
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def update_weights_from_disk(self, http: web.Request) -> web.Response:
+        server, body = self._server(http), await _body(http)
+        server.update_weights(str(body.get("weight_version") or _next_version(server.weight_version)))
+        message = "Succeeded to update model weights."
+        return web.json_response({"success": True, "message": message, "num_paused_requests": len(server.waiting)})
+
+    async def get_load(self, http: web.Request) -> web.Response:
+        return web.json_response(self._server(http).load())
+
+    async def model_info(self, http: web.Request) -> web.Response:
+        version = self._server(http).weight_version
+        return web.json_response({"model_path": "sim", "is_generation": True, "weight_version": version})
+
+    async def health(self, http: web.Request) -> web.Response:
+        self._server(http)
+        return web.Response(status=200)
+
+    async def server_info(self, http: web.Request) -> web.Response:
+        server = self._server(http)
+        return web.json_response({"simulated": True, **asdict(server.config), "weight_version": server.weight_version})
+
+    async def get_stats(self, http: web.Request) -> web.Response:
+        each = [server.snapshot() for server in self.servers]
+        total = {key: sum(s[key] for s in each) for key in SUMMED}
+        wall = max(s["wall_seconds"] for s in each)
+        capacity = self.config.max_running * len(each) * wall
+        total.update(
+            wall_seconds=wall, servers=len(each), max_running=self.config.max_running,
+            utilization=total["running_seconds"] / capacity if capacity else 0.0,
+            busy_fraction=total["busy_seconds"] / (len(each) * wall) if wall else 0.0,
+            mean_batch_size=total["running_seconds"] / total["busy_seconds"] if total["busy_seconds"] else 0.0,
+        )  # fmt: skip
+        return web.json_response({**total, "per_server": each})
+
+    async def reset_stats(self, http: web.Request) -> web.Response:
+        for server in self.servers:
+            server.reset_stats()
+        return web.json_response({})
+
+    async def sim_reset(self, http: web.Request) -> web.Response:
+        self.reset(str((await _body(http)).get("weight_version", self.config.weight_version)))
+        return web.json_response({})
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        per_server = [
+            ("POST", "generate", self.generate),
+            ("POST", "abort_request", self.abort_request),
+            ("POST", "pause_generation", self.pause_generation),
+            ("POST", "continue_generation", self.continue_generation),
+            ("POST", "update_weights_from_disk", self.update_weights_from_disk),
+            ("GET", "get_load", self.get_load),
+            ("GET", "model_info", self.model_info),
+            ("GET", "get_model_info", self.model_info),
+            ("GET", "server_info", self.server_info),
+            ("GET", "get_server_info", self.server_info),
+            ("GET", "health", self.health),
+            ("GET", "health_generate", self.health),
+        ]
+        routes = [web.route(method, "/s/{index:\\d+}/" + path, handler) for method, path, handler in per_server]
+        routes += [
+            web.get("/stats", self.get_stats),
+            web.post("/stats/reset", self.reset_stats),
+            web.post("/sim/reset", self.sim_reset),
+        ]
+        app.add_routes(routes)
+        return app
+
+
 def _next_version(version: str) -> str:
     """v3 -> v4, 7 -> 8; anything else -> "1"."""
     prefix, digits = version.rstrip("0123456789"), version[len(version.rstrip("0123456789")) :]
@@ -383,10 +825,10 @@ async def _body(http: web.Request) -> dict[str, Any]:
 
 
 async def serve(config: SimConfig, host: str, port: int) -> None:
-    server = SimServer(config)
+    server: SimServer | Fleet = Fleet(config) if config.kv_tokens > 0 else SimServer(config)
     runner = web.AppRunner(server.app(), access_log=None, handler_cancellation=True)  # a client gone: abort
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site = web.TCPSite(runner, host, port, backlog=4096)  # thousands of clients may connect at once
     await site.start()
     bound = runner.addresses[0][1]
     print(f"listening on http://{host}:{bound}", flush=True)
@@ -394,11 +836,12 @@ async def serve(config: SimConfig, host: str, port: int) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    loop_task = asyncio.create_task(server.batch_loop())
+    loop_task = asyncio.create_task(server.batch_loop()) if isinstance(server, SimServer) else None
     try:
         await stop.wait()
     finally:
-        loop_task.cancel()
+        if loop_task is not None:
+            loop_task.cancel()
         await runner.cleanup()
 
 

@@ -18,7 +18,7 @@ import asyncio
 import math
 import time
 from collections.abc import Awaitable
-from contextlib import nullcontext
+from contextlib import closing, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -35,7 +35,7 @@ from engine.backends.base import Backend, SamplingParams
 from engine.config import EngineConfig
 from engine.encoding import ChatEncoder
 from engine.engine import EngineStatistics, RolloutEngine, StepFailedError
-from engine.envs.loader import EnvFactory
+from engine.envs.loader import EnvFactory, hosted
 from engine.metrics.recorder import MetricsRecorder
 from engine.metrics.summary import step_summary
 from engine.source import QueueSource
@@ -106,11 +106,13 @@ class RolloutService:
         self.scoring = SlimeScoring(self._args, self.tokenizer)
         async with self._backend() if self._given_backend is None else nullcontext(self._given_backend) as backend:
             self.backend = backend
-            self.env_factory = EnvFactory(s.env_path, args=self._env_args, step_timeout=s.retry.env_step_timeout_s)
-            self.engine = self._engine(s.engine_config(self.encoder.stop_token_ids), self.scoring, self._source)
-            async with self.engine:
-                task_status.started()
-                await self._stop.wait()
+            envs = EnvFactory(s.env_path, args=self._env_args, step_timeout=s.retry.env_step_timeout_s)
+            hosting = hosted(envs, env_workers=s.env_workers, capacity=s.env_worker_capacity, ray_address=s.ray_address)
+            with closing(hosting) as self.env_factory:  # env workers, when the envs run in them, end with the engine
+                self.engine = self._engine(s.engine_config(self.encoder.stop_token_ids), self.scoring, self._source)
+                async with self.engine:
+                    task_status.started()
+                    await self._stop.wait()
 
     def _engine(self, config: EngineConfig, scoring: SlimeScoring, source: Any) -> RolloutEngine:
         """An engine on this service's backend and envs, scored and filtered by slime's rules."""

@@ -1,11 +1,13 @@
 """`turnstile run`: multi-turn trajectories of a model against an env, one JSON line per trajectory;
-`turnstile serve`: the rollout service for slime as a named Ray actor.
+`turnstile serve`: the rollout service for slime as a named Ray actor;
+`turnstile check-template`: whether delta encoding is exact for a tokenizer's chat template.
 
 Runs the turn-level engine (`engine.engine.RolloutEngine`) over the prompts and writes each group's
 trajectories as it finishes.
 
 turnstile run                                   # tiny local model, built-in arithmetic env
 turnstile run --vision                          # the tiny Qwen2.5-VL model, images in observations
+turnstile run --env python_tool                 # a built-in env by short name (engine/envs/builtin.py)
 turnstile run --backend sglang --url http://127.0.0.1:30000 --tokenizer PATH --prompts rows.jsonl
 """
 
@@ -32,11 +34,12 @@ import jinja2
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 
+from engine import template_check
 from engine.backends.base import Backend
 from engine.config import RETRY_FLAGS, Flag, Settings, load_yaml, marker, problems, read_yaml
 from engine.encoding import ChatEncoder
 from engine.engine import RolloutEngine
-from engine.envs.loader import EnvFactory
+from engine.envs.loader import EnvFactory, hosted, load_env_module
 from engine.errors import BackendError
 from engine.metrics.live import LiveView
 from engine.metrics.logging import TurnLogger
@@ -53,17 +56,25 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "serve":
         return _serve(args)
+    if args.command == "check-template":
+        return template_check.main(args)
     try:  # everything a run reads is checked, and loaded, before it starts
         config = settings_from_flags(args)
         _check_run(config)
         _check_out(args.out)
         _check_metrics(config)
-        rows = _load_rows(args, config)
         make_env = EnvFactory(
             config.env_path, args=SimpleNamespace(**config.model_dump()), step_timeout=config.retry.env_step_timeout_s
         )
+        rows = _load_rows(args, config)  # after the env module is checked: its make_prompts, if no --prompts
         encoder = _encoder(config)
         model = _local_model(config)
+        make_env = hosted(
+            make_env,
+            env_workers=config.env_workers,
+            capacity=config.env_worker_capacity,
+            ray_address=config.ray_address,
+        )
     except (ValueError, OSError) as exc:  # bad settings, prompts, env, tokenizer, template, model: one error
         parser.error(_describe(exc))
     try:
@@ -71,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     except BackendError as exc:  # the backend failed outside any trajectory (as the engine started): one line
         print(f"turnstile: {exc.message}", file=sys.stderr)
         return 2
+    finally:
+        make_env.close()  # env workers, when the envs run in them
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="run trajectories and write them as JSON lines", epilog=SETTINGS_EPILOG)
     run.add_argument("--config", help="a YAML file of settings, flat keys (flags override it)")
-    run.add_argument("--num-prompts", type=_positive, default=16, help="prompts of the built-in env (default: 16)")
+    run.add_argument("--num-prompts", type=_positive, default=16, help="rows from the env's make_prompts (default: 16)")
     run.add_argument("--prompts", help="a JSONL file of rows {prompt: [messages], label, metadata} instead")
     run.add_argument("--out", default="out/trajectories.jsonl", help="where the JSON lines go ('-' for stdout)")
     for name, field in Settings.model_fields.items():
@@ -95,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--config", help="a YAML as slime's --custom-config-path takes (its `turnstile:` section)")
     serve.add_argument("--detach", action="store_true", help="leave the actor running and return")
+    check = commands.add_parser(
+        "check-template", help="say whether delta encoding is exact for a chat template (exit 0), or where it drifts"
+    )
+    template_check.add_arguments(check)
     return parser
 
 
@@ -143,6 +160,8 @@ def _add_flag(parser: argparse.ArgumentParser, dest: str, field: FieldInfo) -> N
     """`--dest` (dashed) for the knob `field`: its type, choices and description. A flag left out leaves
     the YAML's value or the knob's default."""
     kind = _scalar(field.annotation)
+    flag = marker(field, Flag)
+    names = ["--" + name.replace("_", "-") for name in (*(flag.aliases if flag else ()), dest)]
     description = f"{field.description} (default: {field.default})".replace("%", "%%")
     options: dict[str, Any] = {"dest": dest, "default": None, "help": description}
     if kind is bool:
@@ -153,7 +172,7 @@ def _add_flag(parser: argparse.ArgumentParser, dest: str, field: FieldInfo) -> N
         options["choices"] = [member.value for member in kind]
     else:
         options["type"] = kind
-    parser.add_argument("--" + dest.replace("_", "-"), **options)
+    parser.add_argument(*names, **options)
 
 
 def _scalar(annotation: Any) -> Any:
@@ -209,9 +228,14 @@ def _check_run(config: Settings) -> None:
 
 
 def _load_rows(args: argparse.Namespace, config: Settings) -> list[dict[str, Any]]:
+    """The rows of `--prompts`, else `--num-prompts` rows from the env module's own `make_prompts`."""
     if args.prompts is None:
-        from engine.envs.arith import make_prompts
-
+        make_prompts = getattr(load_env_module(config.env_path), "make_prompts", None)
+        if not callable(make_prompts):
+            raise ValueError(
+                f"env module {config.env_path!r} has no make_prompts(n, seed=, vision=): "
+                "give prompt rows with --prompts"
+            )
         return make_prompts(args.num_prompts, seed=config.seed, vision=config.vision)
     rows = list(jsonl_rows(args.prompts))
     if not rows:
@@ -320,7 +344,7 @@ def _backend(config: Settings, encoder: ChatEncoder, model: Any) -> Backend:
         urls = [url.strip() for url in (config.url or "").split(",") if url.strip()]
         image_token_id = encoder.image_token_id
         servers = [SGLangBackend(url, timeout=config.request_timeout_s, image_token_id=image_token_id) for url in urls]
-        return servers[0] if len(servers) == 1 else BackendPool(servers)
+        return servers[0] if len(servers) == 1 else BackendPool(servers, policy=config.routing)
     from engine.backends.local import LocalBackend
 
     return LocalBackend(model, encoder.tokenizer, processor=encoder.processor, max_batch_size=config.max_batch_size)

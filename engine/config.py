@@ -29,6 +29,7 @@ from typing import Annotated, Any, Literal, Self, TypeVar
 
 import yaml
 from pydantic import (
+    AfterValidator,
     AliasChoices,
     BaseModel,
     ConfigDict,
@@ -41,6 +42,7 @@ from pydantic import (
 from pydantic.fields import FieldInfo
 
 from engine.backends.base import SamplingParams
+from engine.envs.builtin import resolve_env_path
 from engine.scheduler.queue import Policy
 from engine.scheduler.retry import RetryPolicy
 from engine.turn import TurnLimits
@@ -68,7 +70,10 @@ class Only:
 
 @dataclass(frozen=True, slots=True)
 class Flag:
-    """The knob is also a `turnstile run` option, `--` and its name with dashes."""
+    """The knob is also a `turnstile run` option, `--` and its name with dashes, and `--` and each of
+    `aliases`."""
+
+    aliases: tuple[str, ...] = ()
 
 
 FLAG = Flag()
@@ -249,11 +254,21 @@ class Settings(EngineConfig):
     # -- env, tokenizer, model ------------------------------------------------------------------------
     env_path: Annotated[
         str,
+        AfterValidator(resolve_env_path),
         Field(validation_alias=AliasChoices("env_path", "rollout_interaction_env_path")),
         Slime("`rollout_interaction_env_path:` at the top of the custom config"),
-        FLAG,
+        Flag(aliases=("env",)),
     ] = "engine.envs.arith"
-    """The env module (dotted path or .py file) exposing build_env; `rollout_interaction_env_path` in YAML too."""
+    """The env module (dotted path or .py file) exposing build_env, or a built-in env's short name (arith,
+    python_tool, judge, geometry: engine/envs/builtin.py); `rollout_interaction_env_path` in YAML too."""
+    env_workers: Annotated[NonNegativeInt, FLAG] = 0
+    """Host the envs in this many Ray actors (env workers: processes stepping many envs each) instead of the
+    rollout process's threads (0: in process, for one machine); see engine/envs/ray_workers.py."""
+    env_worker_capacity: Annotated[PositiveInt, FLAG] = 16
+    """Env calls one env worker runs at once (its threads); max_env_steps still bounds all env calls."""
+    ray_address: Annotated[str | None, FLAG] = None
+    """The Ray cluster env workers start in ("auto", or its host:port); none: the Ray this process is in
+    (slime's job), else a running local one, else a new local one."""
     tokenizer: Annotated[str, Slime("`--hf-checkpoint`"), FLAG] = "qwen2.5"
     """A Hugging Face tokenizer directory, or the embedded Qwen tokenizer "qwen2.5"."""
     chat_template: Annotated[str | None, Only("run"), FLAG] = None
@@ -271,6 +286,10 @@ class Settings(EngineConfig):
     sglang when url is given, else local."""
     url: Annotated[str | None, Slime("`--sglang-router-ip` / `--sglang-router-port`"), FLAG] = None
     """SGLang server or sglang-router URL; several, comma-separated, form a pool."""
+    routing: Annotated[Literal["affinity", "consistent_hash", "round_robin"], Only("run"), FLAG] = "affinity"
+    """With several URLs: which server each request goes to (engine/backends/affinity.py). affinity keeps a
+    trajectory on the server holding its prefix until that server is loaded past a margin, and places new ones
+    by load; consistent_hash is sglang-router's session hashing; round_robin ignores sessions."""
     model: Annotated[str, FLAG] = "tiny-qwen2"
     """Local backend: a tiny model name or a saved model's directory (with vision, tiny-qwen2 means tiny-qwen2.5-vl)."""
     request_timeout_s: Annotated[float, Field(gt=0), Only("run")] = 600.0
@@ -291,6 +310,14 @@ class Settings(EngineConfig):
     """Rollout GPUs, dividing the per-GPU throughput metrics (none or 0: no per-GPU metrics)."""
     ray_actor: Annotated[str | None, Only("slime")] = None
     """Host the engine in this named, detached Ray actor (none: in slime's rollout process)."""
+
+    @model_validator(mode="after")
+    def _env_worker_knobs(self) -> Self:
+        given = [name for name in ("env_worker_capacity", "ray_address") if getattr(self, name) != _default_of(name)]
+        if given and not self.env_workers:
+            verb = "apply" if len(given) > 1 else "applies"
+            raise ValueError(f"{' and '.join(given)} {verb} to env workers only: set env_workers too")
+        return self
 
     @model_validator(mode="after")
     def _backend_and_url(self) -> Self:
@@ -333,6 +360,10 @@ class Settings(EngineConfig):
     def from_yaml(cls, path: str | Path) -> Self:
         """`turnstile run --config`: a YAML mapping of knobs, slime's flat key names included."""
         return cls.model_validate(read_yaml(path, cls, "run"))
+
+
+def _default_of(name: str) -> Any:
+    return Settings.model_fields[name].default
 
 
 # -- reading keys -------------------------------------------------------------------------------------
@@ -427,6 +458,13 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def _run_column(name: str, flag: Flag | None) -> str:
+    """How `turnstile run` sets a knob: its flags (aliases first), and YAML."""
+    if flag is None:
+        return "YAML"
+    return ", ".join(f"`{_flag(alias)}`" for alias in (*flag.aliases, name)) + ", YAML"
+
+
 def _rows() -> list[tuple[str, str, str, str, str]]:
     rows = []
     for name, field in Settings.model_fields.items():
@@ -437,7 +475,7 @@ def _rows() -> list[tuple[str, str, str, str, str]]:
                 rows.append((f"retry.{sub}", _default(default), flag, f"`turnstile.retry.{sub}`", inner.description))
             continue
         only, slime = marker(field, Only), marker(field, Slime)
-        run = "—" if only and only.reader == "slime" else (f"`{_flag(name)}`, YAML" if marker(field, Flag) else "YAML")
+        run = "—" if only and only.reader == "slime" else _run_column(name, marker(field, Flag))
         if only and only.reader == "run":
             under = "—"
         elif slime is not None and slime.fills:

@@ -8,6 +8,7 @@ prompt). So an observation is encoded as the text of
 
     render(DUMMY_MESSAGES + [observation], add_generation_prompt=True)
 
+(without the dummy system message for a template that refuses the system role)
 after the dummy assistant's end-of-turn token. That cut is found once per (encoder, observation
 role) and cached; each turn only the observation's suffix is tokenized, so the system prompt and
 the tools preamble appear once. Tokenizing the suffix alone is exact because the cut falls right
@@ -124,6 +125,7 @@ class ChatEncoder:
             raise ValueError(f"tokenizer {name!r} has no chat template; set one (chat_template=...) before encoding")
         self._prefix: dict[str, str] = {}  # observation role -> dummy text up to the end-of-turn token
         self._with_tools: dict[str, ChatEncoder] = {}  # tools (as JSON) -> an encoder that renders them
+        self._dummy = self._dummy_conversation()
         self.end_of_turn_id, self._end_of_turn_text = self._find_end_of_turn()
 
     # -- public ---------------------------------------------------------------------------------------
@@ -176,7 +178,7 @@ class ChatEncoder:
     def encode_observation(self, message: dict[str, Any]) -> Encoded:
         """The tokens that follow the model's end-of-turn token: separator, the observation, the next
         generation prompt."""
-        text = self.render([*DUMMY_MESSAGES, message], add_generation_prompt=True)
+        text = self.render([*self._dummy, message], add_generation_prompt=True)
         prefix = self._prefix_for(message)
         if not text.startswith(prefix):  # the template renders the dummy turns differently for this message
             prefix = text[: self._cut(text)]
@@ -266,9 +268,18 @@ class ChatEncoder:
         return await _run(partial(self.drift_check, trajectory), heavy, limiter)
 
     # -- internals ------------------------------------------------------------------------------------
+    def _dummy_conversation(self) -> tuple[dict[str, Any], ...]:
+        """DUMMY_MESSAGES, or the same without its system message for a template that refuses the system
+        role (Gemma's raise on one): the cut after the dummy assistant's turn is the same either way."""
+        try:
+            self.render([*DUMMY_MESSAGES, {"role": "user", "content": "x"}], add_generation_prompt=True)
+        except Exception:  # noqa: BLE001 -- a template's raise_exception, whatever it raises
+            return DUMMY_MESSAGES[1:]
+        return DUMMY_MESSAGES
+
     def _find_end_of_turn(self) -> tuple[int, str]:
         """The added token the template writes right after an assistant message's content."""
-        text = self.render([*DUMMY_MESSAGES, {"role": "user", "content": "x"}], add_generation_prompt=True)
+        text = self.render([*self._dummy, {"role": "user", "content": "x"}], add_generation_prompt=True)
         start = text.rfind(ASSISTANT_SENTINEL)
         if start < 0:
             raise ValueError("the chat template drops assistant messages; delta encoding cannot find the turn end")
@@ -288,7 +299,7 @@ class ChatEncoder:
         role = message.get("role", "user")
         if role not in self._prefix:
             probe = {**message, "content": "x"}
-            text = self.render([*DUMMY_MESSAGES, probe], add_generation_prompt=True)
+            text = self.render([*self._dummy, probe], add_generation_prompt=True)
             self._prefix[role] = text[: self._cut(text)]
         return self._prefix[role]
 

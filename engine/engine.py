@@ -467,13 +467,14 @@ class RolloutEngine:
         for observer in self.observers:
             observer.group_dropped(group, reason)
 
-    async def _score_group(self, group: Group, last: Trajectory) -> list[Any] | RewardError:
-        """The group's rewards, one per member, or the REWARD error that ended its retries."""
+    async def _score_group(self, group: Group, last: Trajectory) -> list[Any] | TurnError:
+        """The group's rewards, one per member, or the error that ended its retries (REWARD, or the class
+        the reward function raised)."""
         budget = RetryBudget(self.config.retry)
         size = len(group.trajectories)
         try:
             rewards = list(await self.scheduler.score(self.group_reward_fn, group, budget, last))
-        except RewardError as exc:
+        except TurnError as exc:
             return exc
         if len(rewards) != size:
             return RewardError(
@@ -482,9 +483,9 @@ class RolloutEngine:
         return rewards
 
     @staticmethod
-    def _apply_group_rewards(members: list[Trajectory], rewards: list[Any] | RewardError) -> None:
+    def _apply_group_rewards(members: list[Trajectory], rewards: list[Any] | TurnError) -> None:
         """Rewards onto the members; a failed group reward fails every member it would have scored."""
-        if isinstance(rewards, RewardError):
+        if isinstance(rewards, TurnError):
             for trajectory in members:
                 if trajectory.status in SCORED:
                     trajectory.fail_after_end(rewards.record(len(trajectory.turns)))

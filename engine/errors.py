@@ -30,11 +30,15 @@ class ErrorClass(StrEnum):
     ENV_TIMEOUT = "env_timeout"
     ENV_EXCEPTION = "env_exception"
     ENV_RETRYABLE = "env_retryable"  # the env said so (raised EnvRetryableError)
+    ENV_WORKER_LOST = "env_worker_lost"  # the env worker process holding the env died (engine/envs/ray_workers.py)
     # encoding of an observation (an image that does not decode, a template that fails)
     BAD_OBSERVATION = "bad_observation"
     BAD_PROMPT = "bad_prompt"  # a prompt row the template or the processor cannot encode
     # scoring a finished trajectory or group: the reward function raised or did not answer in time
     REWARD = "reward"
+    # the LLM judge gave no score: its reply did not parse, or its server failed past the judge's own
+    # retries (engine/envs/judge)
+    JUDGE = "judge"
     FILTER = "filter"  # the group filter raised: the group's members fail
     # anything else that went wrong in handling one trajectory (a bug, or a user hook outside the
     # classes above, e.g. a failing drift check or conversion): that trajectory fails, nothing else
@@ -48,6 +52,7 @@ RETRYABLE = frozenset(
         ErrorClass.TIMEOUT,
         ErrorClass.ENV_TIMEOUT,
         ErrorClass.ENV_RETRYABLE,
+        ErrorClass.ENV_WORKER_LOST,
         ErrorClass.REWARD,
     }
 )
@@ -62,6 +67,7 @@ _STAGE_OF_CLASS = {
     ErrorClass.BAD_OBSERVATION: Stage.ENCODE,
     ErrorClass.BAD_PROMPT: Stage.ENCODE,
     ErrorClass.REWARD: Stage.REWARD,
+    ErrorClass.JUDGE: Stage.REWARD,
     ErrorClass.FILTER: Stage.FILTER,
     ErrorClass.INTERNAL: Stage.ENGINE,
 }

@@ -120,7 +120,7 @@ def test_the_pool_remembers_the_latest_sessions_only():
     pool = BackendPool([DeterministicBackend(), DeterministicBackend()], max_sessions=2)
     for session in ("a", "b", "a", "c"):
         pool.pick(session)
-    assert list(pool._sessions) == ["a", "c"]
+    assert list(pool.placement.sessions) == ["a", "c"]
 
 
 @pytest.mark.anyio

@@ -141,6 +141,11 @@ def refused_at_start(code: int, records: list[dict], err: str, message: str) -> 
         pytest.param(["--policy", "lifo"], "argument --policy: invalid choice: 'lifo'", id="not-a-choice"),
         pytest.param(["--top-p", "0"], "top_p: Input should be greater than 0 (given 0.0)", id="top-p-zero"),
         pytest.param(["--num-prompts", "0"], "argument --num-prompts: must be at least 1, got 0", id="no-prompts"),
+        pytest.param(
+            ["--env-workers", "-1"],
+            "env_workers: Input should be greater than or equal to 0 (given -1)",
+            id="env-workers-negative",
+        ),
         pytest.param(["--backend", "sglang"], "backend kind 'sglang' needs a url", id="sglang-without-url"),
         pytest.param(
             ["--backend", "local", "--url", "http://h:1"],
@@ -228,6 +233,11 @@ def test_a_bad_flag_is_one_error_at_start(tmp_path, capsys, argv, message):
             id="needs-sglang",
         ),
         pytest.param("request_timeout_s: 30\n", "request_timeout_s: not read by the local backend", id="sglang-only"),
+        pytest.param(
+            "ray_address: auto\n",
+            "ray_address applies to env workers only: set env_workers too",
+            id="env-worker-knob-without-workers",
+        ),
     ],
 )
 def test_a_bad_run_yaml_is_one_error_at_start(tmp_path, capsys, yaml_text, message):
@@ -263,6 +273,11 @@ def test_a_bad_run_yaml_is_one_error_at_start(tmp_path, capsys, yaml_text, messa
             {"turnstile": {"max_env_steps": 0}},
             "turnstile.max_env_steps: Input should be greater than 0 (given 0)",
             id="bad-value",
+        ),
+        pytest.param(
+            {"turnstile": {"env_workers": 2, "env_worker_capacity": 0}},
+            "turnstile.env_worker_capacity: Input should be greater than 0 (given 0)",
+            id="env-worker-capacity-zero",
         ),
         pytest.param(
             {"max_turns": 0},
@@ -303,6 +318,27 @@ def test_a_bad_serve_config_is_one_error_at_start(tmp_path, capsys, yaml_text, m
     code = main(["serve", "--config", write(tmp_path / "serve.yaml", yaml_text)])
     err = capsys.readouterr().err
     assert code == 2 and message in err, err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        pytest.param(
+            ["--ray-address", "auto"],
+            "env workers: no Ray cluster at ray_address 'auto': Could not find any running Ray instance",
+            id="ray-address-without-cluster",
+        ),
+        pytest.param([], "env_workers needs Ray, which is not installed here", id="ray-not-installed"),
+    ],
+)
+def test_env_workers_without_ray_are_one_error_at_start(tmp_path, capsys, monkeypatch, argv, message):
+    ray = pytest.importorskip("ray", reason="Ray is part of the dev extra")
+    if ray.is_initialized():
+        pytest.skip("this process is connected to Ray already: env workers would start there")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    if not argv:
+        monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` fails, as where it is not installed
+    refused_at_start(*run(tmp_path, capsys, "--num-prompts", "1", "--env-workers", "1", *argv), message)
 
 
 # -- slime's args -------------------------------------------------------------------------------------

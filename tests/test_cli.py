@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from engine.cli import main
+from engine.cli import build_parser, main, settings_from_flags
+from engine.config import Settings
 from engine.envs.arith import make_prompts
 from tests.sglang_double import Generate, SGLangDouble
 
@@ -154,3 +155,33 @@ def test_run_serves_metrics_logs_turns_and_reports_progress(tmp_path, capsys):
     assert len(turns) == sum(len(r["turns"]) for r in read_lines(out))
     assert "turnstile: metrics at http://127.0.0.1:" in err
     assert "groups 2/2 · in flight" in err  # the live view's last line, plain when not on a terminal
+
+
+def test_env_takes_a_short_name_and_rows_come_from_the_env_modules_make_prompts(tmp_path, capsys):
+    args = build_parser().parse_args(["run", "--env", "python_tool"])
+    assert settings_from_flags(args).env_path == "engine.envs.python_tool"
+    assert Settings(rollout_interaction_env_path="arith").env_path == "engine.envs.arith"  # slime's YAML key too
+    env_file = tmp_path / "own_rows_env.py"
+    env_file.write_text(
+        "from engine.envs.base import BaseInteractionEnv\n"
+        "class Env(BaseInteractionEnv):\n"
+        "    def __init__(self, reward): self.reward = reward\n"
+        "    def reset(self): return {}, {}\n"
+        "    def step(self, text): return {}, True, {'reward': self.reward}\n"
+        "def make_prompts(n, *, seed=0, vision=False):\n"
+        "    rows = [{'prompt': [{'role': 'user', 'content': 't'}], 'label': str(seed + i)} for i in range(n)]\n"
+        "    return rows\n"
+        "def build_env(sample=None, args=None, **kw): return Env(float(sample.label))\n"
+    )
+    out = tmp_path / "out.jsonl"
+    argv = ["run", "--env", str(env_file), "--num-prompts", "3", "--seed", "10", "--max-new-tokens", "4"]
+    assert main([*argv, "--out", str(out)]) == 0
+    assert sorted(record["reward"] for record in read_lines(out)) == [10.0, 11.0, 12.0]
+
+    bare = tmp_path / "bare_env.py"
+    bare.write_text(env_file.read_text().replace("def make_prompts", "def other_rows"))
+    with pytest.raises(SystemExit) as exited:
+        main(["run", "--env", str(bare), "--out", str(tmp_path / "x.jsonl")])
+    assert exited.value.code == 2
+    message = f"env module {str(bare)!r} has no make_prompts(n, seed=, vision=): give prompt rows with --prompts"
+    assert message in capsys.readouterr().err

@@ -2,26 +2,29 @@
 
     pool = BackendPool([SGLangBackend(url) for url in urls])
 
-Each request goes to the server with the fewest requests in flight, passing over servers that
-failed with a retryable error in the last `cooldown_s` seconds (unless all have). A retry after a
-connection error or a 5xx therefore lands elsewhere. A session (`session_id`) stays on the server its
-first request went to while that server is not cooling down, so its turns reuse that server's prefix
-cache; the pool remembers the last `max_sessions` sessions. Aborts go to the server that holds the
-request; pause, resume and weight versions go to every server, and a server that fails is logged and
-passed over (one error is raised only when all fail). In production, sglang-router in front of the
-servers does the balancing; the pool is for a handful of servers without one.
+Which server a request goes to is the `policy`'s choice (engine/backends/affinity.py): "affinity" (the
+default) keeps a session (`session_id`) on its server, so its turns reuse that server's prefix cache, until
+that server holds more than a margin above the mean load, and places new sessions on the least loaded
+server; "consistent_hash" and "round_robin" are there to compare with. Every policy passes over servers that
+failed with a retryable error in the last `cooldown_s` seconds (unless all have), so a retry after a
+connection error or a 5xx lands elsewhere. The pool tracks each server's load itself: requests and prompt
+tokens in flight (`note_reported_load` adds what a server reports for other clients). Aborts go to the
+server that holds the request; pause, resume and weight versions go to every server, and a server that
+fails is logged and passed over (one error is raised only when all fail). Given the servers' URLs (or a
+router's workers), the pool places by load and cache, which sglang-router's session hashing does not;
+benchmarks/scale.py compares the three policies over 64 simulated servers.
 """
 
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
 import anyio
 
+from engine.backends.affinity import Placement, PolicyName, ServerLoad, make_placement
 from engine.backends.base import Backend, GenerateResult, SamplingParams
 from engine.backends.fanout import agreed_version, combined_error, gather, log_failures
 from engine.errors import BackendError
@@ -29,18 +32,37 @@ from engine.errors import BackendError
 
 class BackendPool:
     def __init__(
-        self, backends: Sequence[Backend], *, cooldown_s: float = 5.0, max_sessions: int = 65_536, clock=time.monotonic
+        self,
+        backends: Sequence[Backend],
+        *,
+        policy: PolicyName | Placement = "affinity",
+        cooldown_s: float = 5.0,
+        max_sessions: int = 65_536,
+        move_margin: float = 0.25,
+        move_slack_tokens: int = 2048,
+        clock=time.monotonic,
     ):
         if not backends:
             raise ValueError("a backend pool needs at least one backend")
         self.backends = list(backends)
         self.cooldown_s = cooldown_s
-        self.max_sessions = max_sessions
+        self.placement = (
+            make_placement(
+                policy,
+                len(self.backends),
+                move_margin=move_margin,
+                move_slack_tokens=move_slack_tokens,
+                max_sessions=max_sessions,
+            )  # fmt: skip
+            if isinstance(policy, str)
+            else policy
+        )
         self._clock = clock
         self._inflight = [0] * len(self.backends)
+        self._tokens = [0] * len(self.backends)  # prompt tokens in flight
+        self._reported = [(0, 0)] * len(self.backends)  # (requests, tokens) each server last reported
         self._failed_at = [float("-inf")] * len(self.backends)
         self._where: dict[str, int] = {}  # rid -> the server running it
-        self._sessions: OrderedDict[str, int] = OrderedDict()  # session -> its server, least recent first
 
     async def __aenter__(self) -> BackendPool:
         return self
@@ -51,20 +73,28 @@ class BackendPool:
     def _is_cooling(self, index: int, now: float) -> bool:
         return now - self._failed_at[index] < self.cooldown_s
 
-    def pick(self, session_id: str | None = None) -> int:
-        """The server for the next request: the session's while it is not cooling down, else the one with
-        fewest in flight among those not cooling down after a failure."""
+    def loads(self) -> list[ServerLoad]:
+        """Each server's load now, as the placement sees it."""
         now = self._clock()
-        index = self._sessions.get(session_id) if session_id is not None else None
-        if index is None or self._is_cooling(index, now):
-            ready = [i for i in range(len(self.backends)) if not self._is_cooling(i, now)]
-            index = min(ready or range(len(self.backends)), key=lambda i: (self._inflight[i], self._failed_at[i]))
-        if session_id is not None:
-            self._sessions[session_id] = index
-            self._sessions.move_to_end(session_id)
-            if len(self._sessions) > self.max_sessions:
-                self._sessions.popitem(last=False)
-        return index
+        return [
+            ServerLoad(
+                num_requests=self._inflight[i],
+                num_tokens=self._tokens[i],
+                is_ready=not self._is_cooling(i, now),
+                reported_requests=self._reported[i][0],
+                reported_tokens=self._reported[i][1],
+                last_failed_at=self._failed_at[i],
+            )  # fmt: skip
+            for i in range(len(self.backends))
+        ]
+
+    def note_reported_load(self, index: int, num_requests: int, num_tokens: int) -> None:
+        """What server `index` reports it holds (SGLang's `GET /get_load`), other clients' requests included."""
+        self._reported[index] = (num_requests, num_tokens)
+
+    def pick(self, session_id: str | None = None) -> int:
+        """The server for the next request of `session_id`, by the placement policy."""
+        return self.placement.place(session_id, self.loads())
 
     async def generate(
         self,
@@ -77,6 +107,7 @@ class BackendPool:
     ) -> GenerateResult:
         index = self.pick(session_id)
         self._inflight[index] += 1
+        self._tokens[index] += len(input_ids)
         if rid is not None:
             self._where[rid] = index
         try:
@@ -88,6 +119,7 @@ class BackendPool:
             raise
         finally:
             self._inflight[index] -= 1
+            self._tokens[index] -= len(input_ids)
             if rid is not None:
                 self._where.pop(rid, None)
 
@@ -135,6 +167,14 @@ class BackendPool:
     def statistics(self) -> list[dict[str, float]]:
         now = self._clock()
         return [
-            {"inflight": self._inflight[i], "cooling_down": float(self._is_cooling(i, now))}
+            {
+                "inflight": self._inflight[i],
+                "inflight_tokens": self._tokens[i],
+                "cooling_down": float(self._is_cooling(i, now)),
+            }
             for i in range(len(self.backends))
         ]
+
+    def placement_statistics(self) -> dict[str, int]:
+        """The placement policy's counters (affinity: sessions placed, kept, moved)."""
+        return self.placement.statistics()

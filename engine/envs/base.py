@@ -26,7 +26,7 @@ from typing import Any
 import anyio
 
 from engine.envs.deadlines import Deadlines
-from engine.errors import EnvError, EnvRetryableError, ErrorClass
+from engine.errors import EnvError, EnvRetryableError, ErrorClass, TurnError
 
 
 class BaseInteractionEnv:
@@ -182,6 +182,8 @@ class EnvRunner:
                     )
             except EnvRetryableError as exc:
                 raise EnvError(ErrorClass.ENV_RETRYABLE, f"env {self.name}.{method} asked for a retry: {exc}") from exc
+            except TurnError:  # classified already (an env's own EnvError, its LLM judge's JUDGE): as it is
+                raise
             except Exception as exc:
                 raise EnvError(ErrorClass.ENV_EXCEPTION, f"env {self.name}.{method} raised {exc!r}") from exc
         if scope is not None and scope.cancelled_caught:

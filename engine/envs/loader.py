@@ -6,7 +6,8 @@
 The module is a dotted module path or a path to a `.py` file, and exposes
 `build_env(sample=None, args=None, **kw)` (a positional `build_env(sample, args)` works too).
 Every problem with the module or with what `build_env` returns raises `EnvLoadError`, naming the
-module and the cause; failures of the env's own steps are the runner's (EnvError).
+module and the cause; failures of the env's own steps are the runner's (EnvError). `hosted(factory,
+env_workers=4)` runs the same module's envs in Ray actors instead (engine/envs/ray_workers.py).
 """
 
 from __future__ import annotations
@@ -20,10 +21,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.envs.base import BaseInteractionEnv, EnvRunner
+from engine.envs.builtin import resolve_env_path
 from engine.errors import EnvError, ErrorClass
+
+if TYPE_CHECKING:
+    from engine.envs.ray_workers import EnvWorkerPool
 
 
 class EnvLoadError(EnvError, ValueError):
@@ -64,7 +69,9 @@ def caller_sample(row: dict[str, Any], index: int | None) -> Any | None:
 
 
 def load_env_module(path: str) -> ModuleType:
-    """Import an env module from a dotted module path or a `.py` file path. Raises EnvLoadError."""
+    """Import an env module from a dotted module path, a `.py` file path or a built-in env's short name
+    (engine/envs/builtin.py). Raises EnvLoadError."""
+    path = resolve_env_path(path)
     if path.endswith(".py"):
         return _load_file(Path(path))
     try:
@@ -140,11 +147,27 @@ class EnvFactory:
             raise EnvLoadError(f"env module {self.path!r}: build_env returned {kind}, which has no step() or astep()")
         return EnvRunner(env, format_observation=self._formatter(env), step_timeout=self.step_timeout)
 
+    def close(self) -> None:
+        """Nothing to end here: each env is closed with its trajectory."""
+
     def _formatter(self, env: Any) -> Callable[[dict[str, Any]], dict[str, Any]] | None:
         own = getattr(env, "format_observation", None)
         if callable(own) and getattr(own, "__func__", None) is not BaseInteractionEnv.format_observation:
             return own
         return self._module_format  # None: the runner's default
+
+
+def hosted(
+    factory: EnvFactory, *, env_workers: int = 0, capacity: int = 16, ray_address: str | None = None
+) -> EnvFactory | EnvWorkerPool:
+    """Where the envs of `factory`'s module run: in this process (`factory` itself, its sync calls in the
+    engine's threads) with no env workers, else in a pool of `env_workers` Ray actors running up to
+    `capacity` env calls each (engine/envs/ray_workers.py). Close what it returns when the run ends."""
+    if not env_workers:
+        return factory
+    from engine.envs.ray_workers import EnvWorkerPool
+
+    return EnvWorkerPool(factory, num_workers=env_workers, capacity=capacity, address=ray_address)
 
 
 def _takes_keywords(fn: Any) -> bool | None:

@@ -33,6 +33,7 @@ DEFAULT_PER_TURN = {
     ErrorClass.ENV_TIMEOUT: 2,
     ErrorClass.ENV_EXCEPTION: 1,
     ErrorClass.ENV_RETRYABLE: 3,
+    ErrorClass.ENV_WORKER_LOST: 2,  # the env's worker process died: a replay_safe env is rebuilt elsewhere
     ErrorClass.BAD_OBSERVATION: 0,
     ErrorClass.REWARD: 2,
 }

@@ -153,7 +153,7 @@ class Scheduler:
             if score and self.reward_fn is not None and trajectory.status in SCORED:
                 try:
                     trajectory.reward = await self.score(self.reward_fn, trajectory, budget, trajectory)
-                except RewardError as exc:
+                except TurnError as exc:  # REWARD, or a class the reward function raised (an LLM judge's)
                     trajectory.fail_after_end(exc.record(len(trajectory.turns)))
         finally:
             if budget.total:
@@ -209,7 +209,8 @@ class Scheduler:
 
     async def score(self, fn: Callable[[Any], Any], subject: Any, budget: RetryBudget, trajectory: Trajectory) -> Any:
         """`fn(subject)` (a trajectory or a group; sync or async) under the reward timeout, retried within
-        `budget`: a raise or a timeout is a REWARD error, and a spent budget raises it."""
+        `budget`: a raise or a timeout is a REWARD error (a TurnError raised keeps its own class, as an LLM
+        judge's JUDGE does), and a spent budget raises it."""
         what = f"trajectory {trajectory.id}" if subject is trajectory else f"group {trajectory.group_id}"
         while True:
             self._set_phase(trajectory, Phase.SCORING)
@@ -222,6 +223,8 @@ class Scheduler:
             except TimeoutError as exc:
                 error = RewardError(f"no reward for {what} within {self.retry.reward_timeout_s:g} s")
                 error.__cause__ = exc
+            except TurnError as exc:  # classified already (an LLM judge's JUDGE): its class and budget hold
+                error = exc
             except Exception as exc:  # noqa: BLE001 -- any failure of the reward function is this subject's
                 error = RewardError(f"the reward function raised {exc!r} for {what}")
                 error.__cause__ = exc

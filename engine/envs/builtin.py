@@ -1,0 +1,23 @@
+"""The built-in envs by short name, so `turnstile run --env python_tool` (or `env_path: judge` in YAML)
+needs no module path.
+
+    resolve_env_path("python_tool")      # "engine.envs.python_tool"
+    resolve_env_path("my_pkg.my_env")    # "my_pkg.my_env": anything else is a module path or a .py file
+
+Each built-in env module exposes `build_env(sample, args)` and `make_prompts(n, seed=, vision=)`, the
+rows `turnstile run` uses when no `--prompts` file is given.
+"""
+
+from __future__ import annotations
+
+BUILTIN_ENVS: dict[str, str] = {
+    "arith": "engine.envs.arith",
+    "python_tool": "engine.envs.python_tool",
+    "judge": "engine.envs.judge",
+    "geometry": "engine.envs.geometry",
+}
+
+
+def resolve_env_path(name_or_path: str) -> str:
+    """The module path for a built-in env's short name; any other value unchanged."""
+    return BUILTIN_ENVS.get(name_or_path, name_or_path)

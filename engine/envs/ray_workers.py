@@ -1,0 +1,337 @@
+"""Env workers: envs hosted in a pool of Ray actors instead of the rollout process's threads.
+
+    pool = EnvWorkerPool(EnvFactory("my_pkg.my_env", args), num_workers=4, capacity=32)
+    async with RolloutEngine(..., env_factory=pool, ...) as engine: ...   # given as an EnvFactory is
+    pool.close()                                                          # the workers end
+
+Why: agentic envs are often CPU-bound Python (an interpreter, a parser, a judge). Stepped in threads
+of the rollout process they share one GIL with the engine's event loop, and every other trajectory's
+turn handling waits behind them. Each worker here is a process of its own holding many envs by key;
+it runs their calls on its own event loop (a sync env's calls in its threads, `capacity` at once), so
+many envs step concurrently per worker and the engine's loop stays free.
+
+The engine sees no difference. The pool is called like an EnvFactory and gives each trajectory a
+`RemoteEnvRunner`, which has EnvRunner's interface (reset, step, message, close, replay_safe,
+is_busy, step_timeout), so the turn-level scheduling, retries and metrics are unchanged. The env is
+built by the module's `build_env`, in the least-loaded worker, when its trajectory first resets it,
+and stays in that worker for the whole trajectory, paused between rollout steps included.
+`format_observation` runs in the worker with the step: the step's reply carries the chat message.
+
+A worker that dies (killed, out of memory, its node lost) fails each call of the envs it held with
+ENV_WORKER_LOST, and those envs report `is_busy`: they cannot be called again, so the scheduler
+retries the trajectory on a fresh env (in a live worker, replayed) where the env is replay_safe, and
+fails it otherwise. The pool starts a new worker in the dead one's place when it finds out.
+
+Ray: the one this process is connected to (inside slime's Ray job), else `ray.init(address=...)`: an
+existing cluster ("auto", or its address), or, with no address, a running local one or a new one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+
+from engine.envs.base import EnvRunner, StepResult
+from engine.envs.deadlines import Deadlines
+from engine.envs.loader import EnvFactory
+from engine.errors import EnvError, ErrorClass
+
+log = logging.getLogger(__name__)
+
+WORKER_GRACE_S = 10.0  # past the step timeout (which the worker enforces), how long its answer may take
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """A worker's answer to one env call: its value, or the env's error as data (class, message); and
+    whether a call of that env that timed out is still running there."""
+
+    value: Any = None
+    error: tuple[str, str] | None = None
+    is_busy: bool = False
+
+
+class EnvWorker:
+    """One worker process (the Ray actor's class): envs by key, built by the env module's factory, each
+    driven by an EnvRunner (timeouts and error classes as in process); calls of one env never overlap."""
+
+    def __init__(self, path: str, args: Any, step_timeout: float | None, capacity: int):
+        self.factory = EnvFactory(path, args, step_timeout=step_timeout)
+        self.capacity = capacity
+        self.envs: dict[str, tuple[EnvRunner, anyio.Lock]] = {}
+        self._threads: anyio.CapacityLimiter | None = None  # made on the actor's event loop
+
+    async def pid(self) -> int:
+        return os.getpid()
+
+    async def build(self, key: str, sample: Any) -> Reply:
+        """Build the env of `key` for `sample` (in a thread: `build_env` may block); its name and replay_safe."""
+        try:
+            runner = await anyio.to_thread.run_sync(self.factory, sample, limiter=self._limiter())
+        except EnvError as exc:
+            return Reply(error=_as_data(exc))
+        runner.limiter = self._limiter()
+        self.envs[key] = (runner, anyio.Lock())
+        return Reply((runner.name, runner.replay_safe))
+
+    async def reset(self, key: str, step_timeout: float | None) -> Reply:
+        return await self._call(key, step_timeout, lambda runner: runner.reset())
+
+    async def step(self, key: str, response_text: str, step_timeout: float | None) -> Reply:
+        """The step's (observation, done, info) and, unless done, its chat message or the format error."""
+        return await self._call(key, step_timeout, lambda runner: _step_and_format(runner, response_text))
+
+    async def close(self, key: str) -> Reply:
+        """Close the env of `key` and forget it, once a call of it still running has returned."""
+        held = self.envs.pop(key, None)
+        if held is None:
+            return Reply()
+        runner, lock = held
+        async with lock:
+            try:
+                await runner.close()
+            except EnvError as exc:
+                return Reply(error=_as_data(exc))
+        return Reply()
+
+    async def _call(self, key: str, step_timeout: float | None, call: Callable[[EnvRunner], Awaitable[Any]]) -> Reply:
+        held = self.envs.get(key)
+        if held is None:
+            return Reply(error=(str(ErrorClass.ENV_EXCEPTION), f"env worker {os.getpid()} holds no env {key}"))
+        runner, lock = held
+        runner.step_timeout = step_timeout
+        async with lock:
+            try:
+                value = await call(runner)
+            except EnvError as exc:
+                return Reply(error=_as_data(exc), is_busy=runner.is_busy)
+        return Reply(value, is_busy=runner.is_busy)
+
+    def _limiter(self) -> anyio.CapacityLimiter:
+        if self._threads is None:
+            self._threads = anyio.CapacityLimiter(self.capacity)
+        return self._threads
+
+
+async def _step_and_format(runner: EnvRunner, response_text: str) -> tuple[Any, ...]:
+    result = await runner.step(response_text)
+    message = error = None
+    if not result.done:
+        try:
+            message = runner.message(result.observation)
+        except EnvError as exc:
+            error = _as_data(exc)
+    return result.observation, result.done, result.info, message, error
+
+
+@dataclass(eq=False, slots=True)
+class _Worker:
+    """One slot of the pool: its actor and how many envs it holds."""
+
+    slot: int
+    actor: Any
+    num_envs: int = 0
+    is_lost: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class EnvWorkerStatistics:
+    num_workers: int
+    num_envs: tuple[int, ...]  # envs held, per worker slot
+    num_replaced: int  # workers found dead and started again
+
+
+class EnvWorkerPool:
+    """`num_workers` env workers, each running up to `capacity` env calls at once; called as an
+    EnvFactory is (`pool(sample)`), it gives a RemoteEnvRunner. Raises ValueError for bad settings, no
+    Ray installed, or no Ray cluster at `address`."""
+
+    blocking = False  # a call only makes the runner; the env is built in a worker on its first reset
+
+    def __init__(self, factory: EnvFactory, *, num_workers: int, capacity: int, address: str | None = None):
+        if num_workers < 1 or capacity < 1:
+            raise ValueError(f"env workers: give at least 1 worker and 1 call each, not {num_workers} and {capacity}")
+        self.factory, self.capacity = factory, capacity
+        self._ray = _connect(address)
+        self._actor_class = self._ray.remote(EnvWorker)
+        self.workers = [self._start(slot) for slot in range(num_workers)]
+        self.num_replaced = 0
+        self.is_closed = False
+
+    def __call__(self, sample: Any = None) -> RemoteEnvRunner:
+        return RemoteEnvRunner(self, sample)
+
+    def place(self) -> _Worker:
+        """The worker a new env goes to: the one holding the fewest (it is counted as holding one more)."""
+        worker = min(self.workers, key=lambda w: w.num_envs)
+        worker.num_envs += 1
+        return worker
+
+    def released(self, worker: _Worker) -> None:
+        worker.num_envs -= 1
+
+    def lost(self, worker: _Worker, cause: BaseException) -> None:
+        """`worker` is dead (or unreachable): a new one takes its slot; the envs it held are gone."""
+        if worker.is_lost or self.is_closed:
+            return
+        worker.is_lost = True
+        self.workers[worker.slot] = self._start(worker.slot)
+        self.num_replaced += 1
+        log.warning("env worker %d was lost (%s); started a new one in its place", worker.slot, type(cause).__name__)
+        self._kill(worker)
+
+    async def pids(self) -> list[int]:
+        """The process id of each worker, by slot (waits for workers still starting)."""
+        return [await worker.actor.pid.remote() for worker in self.workers]
+
+    def statistics(self) -> EnvWorkerStatistics:
+        return EnvWorkerStatistics(len(self.workers), tuple(w.num_envs for w in self.workers), self.num_replaced)
+
+    def close(self) -> None:
+        """End every worker (and the envs they still hold); none is started again."""
+        self.is_closed = True
+        for worker in self.workers:
+            self._kill(worker)
+
+    def _start(self, slot: int) -> _Worker:
+        f = self.factory
+        return _Worker(slot, self._actor_class.remote(f.path, f.args, f.step_timeout, self.capacity))
+
+    def _kill(self, worker: _Worker) -> None:
+        try:
+            self._ray.kill(worker.actor, no_restart=True)
+        except Exception as exc:  # noqa: BLE001 -- already gone, or Ray is shut down: nothing left to end
+            log.debug("ending env worker %d: %r", worker.slot, exc)
+
+
+class RemoteEnvRunner:
+    """One trajectory's env in a worker of an EnvWorkerPool, with EnvRunner's interface. Every failure
+    is an EnvError: the env's own (classified in the worker), ENV_WORKER_LOST when the worker died,
+    ENV_TIMEOUT when the worker has not answered within the step timeout and WORKER_GRACE_S."""
+
+    def __init__(self, pool: EnvWorkerPool, sample: Any):
+        self.pool, self.sample = pool, sample
+        self.key = uuid.uuid4().hex
+        self.worker: _Worker | None = None  # set once the env is built there
+        self.name = pool.factory.path  # the env's class name, once built
+        self.step_timeout = pool.factory.step_timeout
+        self.limiter: anyio.CapacityLimiter | None = None  # the engine's threads for in-process envs: unused
+        self.deadlines: Deadlines | None = None  # the engine's timeout watcher, for the worker's answer
+        self._replay_safe = self._is_busy = False
+        self._observation: Any = None  # of the last step, and its chat message or format error
+        self._message: dict[str, Any] | None = None
+        self._format_error: tuple[str, str] | None = None
+
+    @property
+    def replay_safe(self) -> bool:
+        return self._replay_safe
+
+    @property
+    def is_busy(self) -> bool:
+        """The env cannot be called again: its worker is lost, or a call of it that timed out still runs."""
+        return self._is_busy
+
+    async def reset(self) -> dict[str, Any]:
+        if self.worker is None:
+            await self._build()
+        observation = await self._call("reset", self.step_timeout)
+        return observation if isinstance(observation, dict) else {}
+
+    async def step(self, response_text: str) -> StepResult:
+        observation, done, info, self._message, self._format_error = await self._call(
+            "step", response_text, self.step_timeout
+        )
+        self._observation = observation
+        return StepResult(observation, done, info)
+
+    def message(self, observation: dict[str, Any]) -> dict[str, Any]:
+        """The chat message the worker formatted for the last step's observation."""
+        if self._format_error is not None:
+            raise EnvError(ErrorClass(self._format_error[0]), self._format_error[1])
+        if observation is not self._observation or self._message is None:
+            raise EnvError(ErrorClass.ENV_EXCEPTION, f"env {self.name}: only its last step's observation is formatted")
+        return self._message
+
+    async def close(self, timeout: float = 10.0) -> None:
+        """Close the env in its worker (shielded, bounded by `timeout`); an env whose worker is lost is gone."""
+        worker, self.worker = self.worker, None
+        if worker is None:
+            return
+        self.pool.released(worker)
+        if not worker.is_lost:
+            with anyio.move_on_after(timeout, shield=True):
+                await self._call("close", worker=worker)
+
+    async def _build(self) -> None:
+        worker = self.pool.place()
+        try:
+            self.name, self._replay_safe = await self._call("build", self.sample, worker=worker)
+        except BaseException:
+            self.pool.released(worker)
+            raise
+        self.worker = worker
+
+    async def _call(self, method: str, *args: Any, worker: _Worker | None = None) -> Any:
+        """`method` of this env's worker; the reply's value, or its error raised as an EnvError."""
+        worker = worker or self.worker
+        unbounded = method in ("build", "close") or self.step_timeout is None
+        bound = None if unbounded else self.step_timeout + WORKER_GRACE_S
+        timeout = anyio.CancelScope() if bound is None else self._bound(bound)
+        try:
+            with timeout as scope:
+                reply: Reply = await getattr(worker.actor, method).remote(self.key, *args)
+        except _worker_lost() as exc:
+            self._is_busy = True
+            self.pool.lost(worker, exc)
+            raise EnvError(
+                ErrorClass.ENV_WORKER_LOST,
+                f"env {self.name}: its worker {worker.slot} was lost during {method}: {_last_line(exc)}",
+            ) from exc
+        except Exception as exc:  # the call did not reach the env (an argument or a reply Ray cannot carry)
+            raise EnvError(ErrorClass.ENV_EXCEPTION, f"env {self.name}.{method} in its worker: {exc!r}") from exc
+        if scope.cancelled_caught:
+            self._is_busy = True
+            raise EnvError(ErrorClass.ENV_TIMEOUT, f"env {self.name}.{method}: its worker gave no answer in {bound}s")
+        self._is_busy = reply.is_busy
+        if reply.error is not None:
+            raise EnvError(ErrorClass(reply.error[0]), reply.error[1])
+        return reply.value
+
+    def _bound(self, seconds: float) -> Any:
+        return self.deadlines.after(seconds) if self.deadlines is not None else anyio.move_on_after(seconds)
+
+
+def _as_data(exc: EnvError) -> tuple[str, str]:
+    return str(exc.error_class), exc.message
+
+
+def _worker_lost() -> tuple[type[BaseException], ...]:
+    """Ray's errors for a call whose actor died, or whose process or node did."""
+    from ray import exceptions as e
+
+    return (e.RayActorError, e.OutOfMemoryError, e.WorkerCrashedError, e.NodeDiedError)
+
+
+def _last_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[-1] if text else type(exc).__name__
+
+
+def _connect(address: str | None) -> Any:
+    """The `ray` module, connected: to the Ray this process is in, else by `ray.init(address=address)`."""
+    try:
+        import ray
+    except ImportError as exc:
+        raise ValueError("env_workers needs Ray, which is not installed here: pip install 'turnstile[ray]'") from exc
+    if not ray.is_initialized():
+        try:
+            ray.init(address=address)
+        except ConnectionError as exc:
+            raise ValueError(f"env workers: no Ray cluster at ray_address {address!r}: {exc}") from exc
+    return ray

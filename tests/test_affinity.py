@@ -1,0 +1,124 @@
+"""Placement policies (engine/backends/affinity.py): new sessions by load, sessions kept on their server, moved only
+past the margin, servers cooling down passed over; consistent hashing and round robin as sglang-router does them."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import anyio
+import pytest
+
+from engine.backends.affinity import (
+    AffinityPlacement,
+    ConsistentHashPlacement,
+    RoundRobinPlacement,
+    ServerLoad,
+    make_placement,
+)
+from engine.backends.base import SamplingParams
+from engine.backends.pool import BackendPool
+from engine.errors import BackendError, ErrorClass
+from tests.fakes import DeterministicBackend
+
+ENDLESS = SamplingParams(max_new_tokens=1_000_000)
+SHORT = SamplingParams(max_new_tokens=2)
+
+
+def loads(*tokens: int, down: tuple[int, ...] = ()) -> list[ServerLoad]:
+    return [ServerLoad(num_requests=1 if t else 0, num_tokens=t, is_ready=i not in down) for i, t in enumerate(tokens)]
+
+
+def test_a_new_session_goes_to_the_server_with_fewest_tokens_in_flight():
+    placement = AffinityPlacement(3)
+    assert placement.place("a", loads(9000, 100, 5000)) == 1
+    # tokens first, requests break a tie
+    tied = [ServerLoad(num_requests=3, num_tokens=10), ServerLoad(num_requests=1, num_tokens=10)]
+    assert placement.place("b", tied) == 1
+    assert placement.statistics() == {"num_placed": 2, "num_stayed": 0, "num_moved": 0}
+
+
+def test_a_session_stays_on_its_server_within_the_margin():
+    placement = AffinityPlacement(2, move_margin=0.25, move_slack_tokens=1000)
+    assert placement.place("a", loads(0, 10)) == 0
+    # home holds 11,000, the mean is 10,500: under 1.25 x 10,500 + 1,000, so it stays although it is the busier
+    assert placement.place("a", loads(11_000, 10_000)) == 0
+    assert placement.statistics()["num_stayed"] == 1
+
+
+def test_a_session_moves_once_its_server_is_past_the_margin_and_stays_where_it_moved():
+    placement = AffinityPlacement(2, move_margin=0.25, move_slack_tokens=1000)
+    placement.place("a", loads(0, 10))
+    # home 30,000, mean 16,000: past 1.25 x 16,000 + 1,000 = 21,000
+    assert placement.place("a", loads(30_000, 2_000)) == 1
+    assert placement.place("a", loads(30_000, 3_000)) == 1
+    assert placement.statistics() == {"num_placed": 1, "num_stayed": 1, "num_moved": 1}
+
+
+def test_a_server_cooling_down_is_passed_over_by_every_policy():
+    for policy in ("round_robin", "consistent_hash", "affinity"):
+        placement = make_placement(policy, 3)
+        chosen = {placement.place(f"s{i}", loads(0, 0, 0, down=(1,))) for i in range(30)}
+        assert 1 not in chosen, policy
+    placement = AffinityPlacement(2)
+    placement.place("a", loads(0, 10))
+    assert placement.place("a", loads(0, 10, down=(0,))) == 1  # its server is down: it moves at once
+    assert placement.place("x", loads(0, 0, down=(0, 1))) in (0, 1)  # all down: one of them still
+
+
+def test_consistent_hashing_keeps_a_key_on_one_server_whatever_the_load_and_spreads_keys():
+    placement = ConsistentHashPlacement(8)
+    first = placement.place("trajectory-1", loads(*[0] * 8))
+    busy = [0] * 8
+    busy[first] = 10**9
+    assert placement.place("trajectory-1", loads(*busy)) == first  # it knows nothing of load
+    spread = Counter(placement.place(f"t{i}", loads(*[0] * 8)) for i in range(8000))
+    assert len(spread) == 8 and max(spread.values()) < 2 * min(spread.values())
+    # its server down, the key moves clockwise; back up, the key comes back
+    assert placement.place("trajectory-1", loads(*[0] * 8, down=(first,))) != first
+    assert placement.place("trajectory-1", loads(*[0] * 8)) == first
+
+
+def test_round_robin_ignores_sessions():
+    placement = RoundRobinPlacement(3)
+    assert [placement.place("a", loads(0, 0, 0)) for _ in range(6)] == [0, 1, 2, 0, 1, 2]
+
+
+def test_an_unknown_policy_and_a_negative_margin_are_refused():
+    with pytest.raises(ValueError, match="unknown placement policy 'random'; known: round_robin"):
+        make_placement("random", 2)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="move_margin and move_slack_tokens must be >= 0"):
+        AffinityPlacement(2, move_margin=-1)
+
+
+@pytest.mark.anyio
+async def test_the_pool_counts_prompt_tokens_in_flight_and_places_by_them():
+    servers = [DeterministicBackend(stop_every=10_000), DeterministicBackend(stop_every=10_000)]
+    pool = BackendPool(servers, policy="affinity", move_slack_tokens=0)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lambda: pool.generate(list(range(5000)), ENDLESS, rid="long", session_id="long"))
+        await anyio.lowlevel.checkpoint()
+        assert [s["inflight_tokens"] for s in pool.statistics()] == [5000, 0]
+        # three short sessions: all go to the other server, whose few tokens stay below the long one's
+        for name in ("a", "b", "c"):
+            tg.start_soon(lambda name=name: pool.generate([1, 2, 3], ENDLESS, rid=name, session_id=name))
+            await anyio.lowlevel.checkpoint()
+        assert [s["inflight"] for s in pool.statistics()] == [1, 3]
+        await pool.abort()
+    assert [s["inflight_tokens"] for s in pool.statistics()] == [0, 0]
+    assert servers[0].session_ids == ["long"] and sorted(servers[1].session_ids) == ["a", "b", "c"]
+
+
+@pytest.mark.anyio
+async def test_a_server_that_failed_is_left_until_its_cooldown_ends():
+    now = [0.0]
+    flaky = DeterministicBackend(failures={1: BackendError(ErrorClass.SERVER, "HTTP 503")})
+    other = DeterministicBackend()
+    pool = BackendPool([flaky, other], policy="consistent_hash", cooldown_s=10, clock=lambda: now[0])
+    home = pool.pick("s")
+    pool.backends[home], pool.backends[1 - home] = flaky, other
+    with pytest.raises(BackendError):
+        await pool.generate([1], SHORT, session_id="s")
+    await pool.generate([1], SHORT, session_id="s")
+    now[0] = 11.0
+    await pool.generate([1], SHORT, session_id="s")
+    assert flaky.session_ids == ["s", "s"] and other.session_ids == ["s"]

@@ -1,0 +1,35 @@
+"""A small run of benchmarks.scale: the fleet simulator in its own process, three placement policies, the report."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks.scale import SIZES, main
+
+KEYS = (
+    "trained_tokens_per_s", "utilization", "cached_share_after_turn1", "cached_share_after_turn1_steady",
+    "cached_share_of_reusable", "cpu_ms_per_turn", "rss_kib_per_trajectory", "loop_lag_ms_p50", "loop_lag_ms_p99",
+)  # fmt: skip
+
+
+def test_the_scale_benchmark_compares_the_policies_and_writes_its_report(tmp_path):
+    assert main(["--size", "smoke", "--out", str(tmp_path), "--no-saturation"]) == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    size = SIZES["smoke"]
+    policies = report["policies"]
+    assert set(policies) == {"affinity", "consistent_hash", "round_robin"}
+    for name, m in policies.items():
+        assert all(key in m for key in KEYS), name
+        assert m["trained_tokens"] > 0 and 0 < m["utilization"] <= 1, name
+        assert 0 <= m["loop_lag_ms_p50"] <= m["loop_lag_ms_p99"], name
+        # every returned trajectory ended in one status, and each rollout call returned its groups in full
+        assert sum(m["statuses"].values()) == m["num_trajectories"] >= size.target_groups * size.n_samples
+        assert m["num_trajectories"] % size.n_samples == 0
+    # sessions kept on their server reuse its cache; spread round robin over 4 servers they mostly miss
+    assert policies["affinity"]["cached_share_after_turn1"] > policies["round_robin"]["cached_share_after_turn1"] + 0.2
+    assert policies["consistent_hash"]["cached_share_after_turn1"] > 0.5
+    placement = policies["affinity"]["placement"]
+    assert placement["num_placed"] > 0 and placement["num_stayed"] > placement["num_moved"]
+    assert policies["affinity"]["num_weight_updates"] >= 1
+    table = (tmp_path / "report.md").read_text()
+    assert all(f"| {name} |" in table for name in policies)
