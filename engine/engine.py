@@ -8,10 +8,8 @@
 
 Each prompt row becomes a group of `n_samples_per_prompt` trajectories, emitted once every member
 has ended, after an optional filter (dropped groups are counted by reason). With partial rollout a
-step keeps `target * over_sampling` groups' worth of trajectories generating: a member that ends makes
-room for a new group at once, while its own group waits for its stragglers. Once `target` groups are
-done the step returns them and pauses the rest, which resume first in the next step with their envs
-and turn state.
+step keeps `target * over_sampling` groups in flight; once `target` are done it returns them and
+pauses the rest, which resume first in the next step with their envs and turn state.
 """
 
 from __future__ import annotations
@@ -51,8 +49,6 @@ if TYPE_CHECKING:
     from engine.metrics.prometheus import MetricsExporter
 
 log = logging.getLogger(__name__)
-
-HOLD_FACTOR = 2  # with refill, open groups at most this many times the goal (see RolloutEngine._admit)
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,7 +206,7 @@ class RolloutEngine:
         goal = math.ceil(target_groups * self.config.over_sampling) if partial else target_groups
         self._wanted = target_groups
         while len(self._done) < target_groups:
-            self._admit(goal, refill=partial)
+            self._admit(goal)
             if not self._open and self._exhausted:
                 break
             await self._wait_for_change()
@@ -301,24 +297,11 @@ class RolloutEngine:
         return [*self._done, *self._open.values()]
 
     # -- admission and groups ---------------------------------------------------------------------
-    def _admit(self, goal: int, *, refill: bool = True) -> None:
-        """Start groups while there is room; none while the breaker is open.
-
-        With `refill` (partial rollout, streams) room is counted in what can generate now: trajectories
-        admitted and not yet ended, up to `goal` groups' worth within max_inflight. A member that ends
-        makes room at once, though its group waits for its stragglers or for a step to take it, so the
-        servers stay full through a step's tail. Open groups stay within HOLD_FACTOR x goal, which bounds
-        the ended members held waiting (and how stale they may grow). Without it (a step without partial
-        rollout, which must return exactly what it started), `goal` groups are started, held ones counted."""
+    def _admit(self, goal: int) -> None:
+        """Start groups until `goal` are open or done, within max_inflight; none while the breaker is open."""
         n = self.config.n_samples_per_prompt
-        cap = max(self.config.max_inflight, n)
-        live_cap = min(goal * n, cap) if refill else cap
-        while not self._exhausted:
-            if refill and len(self._open) >= HOLD_FACTOR * goal:
-                return
-            if not refill and len(self._open) + len(self._done) >= goal:
-                return
-            if self.scheduler.breaker.is_open or self._num_inflight + n > max(live_cap, n):
+        while len(self._open) + len(self._done) < goal and not self._exhausted:
+            if self.scheduler.breaker.is_open or self._num_inflight + n > max(self.config.max_inflight, n):
                 return
             rows = self.source.take(1)
             if not rows:
