@@ -1,6 +1,7 @@
 """Fault-injection suite: the long-tail workload under injected faults, one kind at a time and all together.
 
-    python -m benchmarks.faults --out DIR [--size smoke|small|large] [--faults NAME ...] [--seed 0] [--sglang]
+    python -m benchmarks.faults --out DIR [--size smoke|small|large] [--faults NAME ...] [--seed 0]
+    python -m benchmarks.faults --out DIR --sglang [--size smoke|small] [--sglang-url URL] [--faults NAME ...]
 
 Every case runs the long-tail workload (benchmarks/workload.py, the ~30 ms env, no failures of its own; a
 20 ms reward function) through a fresh `RolloutEngine` with partial rollout, against the simulated SGLang
@@ -28,8 +29,17 @@ DIR/report.json has one entry per case (see `summarize`):
                  `step_error` (an exception out of rollout/pause/resume)
 DIR/report.md has the table printed at the end; DIR/faults.png the throughput and step-time figures.
 
-`--sglang` would run the env and reward cases against the real SGLang CPU server; it is not run here (see
-SGLANG_NOTE, also written into the report).
+`--sglang` runs the same cases against real SGLang 0.5.23 servers on CPU instead (benchmarks/faults_sglang.py:
+the tiny random-weight Qwen2.5-VL model of tests/sglang_cpu/server.py). The engine-side cases are unchanged;
+5xx and malformed replies are injected into the real server's replies by benchmarks/faultproxy.py in front of
+it; the restart is a real SGLang restart on its port; a two-server case runs on the suite's server and a second
+one started beside it (the one killed). What was injected is counted by the proxy; each case starts with a real
+weight reload to version v0, and each step ends with one to the step's version. The workload is sized down
+(SGLANG_SIZES, default `small`: 2 groups of 2 samples, 3 steps, 16 tokens a turn): the random model seldom emits
+its stop token, so nearly every turn runs to its cap of max_new_tokens, and a turn costs about a second of CPU
+decoding; the turns are not the simulated workload's, and throughput compares with `none` of the same run only.
+SGLANG_COVERS and SGLANG_DIFFERS (also in the report) say what it covers and what it does not. report.json's
+top-level "server" says which server a report is of ("simulated" or "sglang").
 """
 
 from __future__ import annotations
@@ -45,7 +55,7 @@ import time
 import traceback
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +63,14 @@ import anyio
 import httpx
 import numpy as np
 
-from benchmarks.faults_servers import ProcessUnavailable, RouterProcess, SimProcess, router_available
+from benchmarks.faults_servers import (
+    ProcessUnavailable,
+    RouterProcess,
+    ServerFront,
+    Servers,
+    SimServers,
+    router_available,
+)
 from benchmarks.longtail import HEADLINE, Size, sized
 from benchmarks.longtail_common import RewardLog, RewardModel
 from benchmarks.workload import Workload
@@ -73,14 +90,23 @@ STEP_TIMEOUT_S = 1.5  # the env step timeout (the env's slowest step: 30 x its 3
 HANG_S = 3 * STEP_TIMEOUT_S  # a hung env step returns after this long (the engine has given up on it by then)
 FAULT_STEP = 1  # the Ray actor is killed after this step
 KILL_FROM, KILL_TO = 0.3, 0.6  # processes are killed mid-step, between these shares of the `none` case's calls
-WEIGHTS_PATH = "/sim/weights"
-SGLANG_NOTE = (
-    "--sglang (the real SGLang CPU server of tests/sglang_cpu/server.py) is not implemented. The suite's "
-    "server-side faults (5xx, malformed replies) and its measurements between cases (/stats, /sim/reset) need the "
-    "simulated server, which a real one has no counterpart of; the real server's tiny random-weight model seldom "
-    "stops by itself, so its turns would run to their cap and not be the workload's; and on this 2-core machine "
-    "an SGLang CPU server takes about 25 s to start when warm (far longer cold), paid again by every restart case. "
-    "The engine-side faults (env, reward, process kills) do not depend on which server answers."
+SGLANG_COVERS = (
+    "--sglang runs every case against real SGLang 0.5.23 servers on CPU (tests/sglang_cpu/server.py: the tiny "
+    "random-weight Qwen2.5-VL model): the env, reward, env-process and Ray-actor cases unchanged, against one "
+    "server; 5xx and malformed replies injected into the real server's replies by a proxy in front of it "
+    "(benchmarks/faultproxy.py); the server SIGKILLed mid-step and a new one started on its port (a real restart); "
+    "a second real server, behind real sglang-router or in a BackendPool, SIGKILLed for good. Each case starts at "
+    "weight version v0 and each step ends with a real /update_weights_from_disk of the model's own directory; "
+    "what was injected is counted by the proxy, not read from the server."
+)
+SGLANG_DIFFERS = (
+    "What differs from the simulated run: the workload is smaller (SGLANG_SIZES: few groups, 2 samples each, "
+    "turns capped at 8 or 16 tokens), and its turns are not the workload's: the random model seldom emits its stop "
+    "token, so nearly every turn runs to its cap; throughput and step times are those of a tiny model on a "
+    "2-core CPU, and a restart costs an SGLang start (tens of seconds), not the simulator's second. Not covered: a "
+    "GPU server and a model that stops by itself, faults inside SGLang that leave its process alive (out of "
+    "memory, a stuck scheduler), and a weight update that fails or changes the weights (the same directory is "
+    "reloaded)."
 )
 
 
@@ -93,6 +119,14 @@ def _sizes() -> dict[str, Size]:
 
 
 SIZES = _sizes()
+# The real SGLang CPU server (--sglang): a turn of the random model runs to max_new_tokens at roughly 10 decode
+# steps a second, so fewer and shorter turns; `server.max_running` caps the engine's concurrent generate calls.
+SGLANG_SIZES = {
+    "smoke": sized("small", target_groups=2, num_steps=2, n_samples=2, max_new_tokens=8, max_tokens=1024,
+                   server={"max_running": 8}),
+    "small": sized("small", target_groups=2, num_steps=3, n_samples=2, max_new_tokens=16, max_tokens=1024,
+                   server={"max_running": 8}),
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -332,26 +366,27 @@ class CallTriggers:
         return getattr(self.inner, name)
 
 
-async def _post(url: str, path: str, body: dict[str, Any] | None = None) -> Any:
-    async with httpx.AsyncClient(base_url=url, trust_env=False, timeout=10.0) as client:
-        response = (await client.post(path, json=body or {})).raise_for_status()
-        return response.json() if response.content else None
-
-
-async def _get(url: str, path: str) -> Any:
-    async with httpx.AsyncClient(base_url=url, trust_env=False, timeout=10.0) as client:
-        return (await client.get(path)).raise_for_status().json()
-
-
 # -- the suite ---------------------------------------------------------------------------------------------
 
 
 class Suite:
-    def __init__(self, size: Size, *, seed: int = 0, log: Callable[[str], None] = print, workdir: Path | None = None):
+    """The cases, run one after another against `servers` (default: simulated ones, configured by the size)."""
+
+    def __init__(
+        self,
+        size: Size,
+        *,
+        seed: int = 0,
+        log: Callable[[str], None] = print,
+        workdir: Path | None = None,
+        servers: Servers | None = None,
+    ):
         from engine.models import load_tokenizer
 
         self.size, self.seed, self.log = size, seed, log
         self.workdir = workdir
+        self.servers: Servers = servers or SimServers(size.server)
+        self.primary_start_s = 0.0  # how long the suite's server took to start
         self.encoder = ChatEncoder(load_tokenizer("qwen2.5"))
         self.sampling = SamplingParams(max_new_tokens=size.max_new_tokens, stop_token_ids=self.encoder.stop_token_ids)
         self.workload = Workload(
@@ -361,7 +396,7 @@ class Suite:
         self.limits = TurnLimits(max_turns=self.workload.max_turns, max_tokens=size.max_tokens)
         self.retry = RetryPolicy(env_step_timeout_s=STEP_TIMEOUT_S)
         self.baseline: CaseRun | None = None
-        self.primary: SimProcess | None = None
+        self.primary: Any = None
 
     def config(self) -> EngineConfig:
         s = self.size
@@ -372,10 +407,13 @@ class Suite:
             limits=self.limits, sampling=self.sampling, retry=self.retry, seed=self.seed,
         )  # fmt: skip
 
-    def step_limit_s(self) -> float:
-        """A step past this is a hang: 10 x the baseline's slowest step, at least 60 s."""
+    def step_limit_s(self, case: Case | None = None) -> float:
+        """A step past this is a hang: 10 x the baseline's slowest step, at least the servers' `min_step_limit_s`
+        (60 s simulated, longer on a CPU SGLang server); for a case that restarts the server, plus three times what
+        the suite's server took to start (a real SGLang start is long)."""
         slowest = max(self.baseline.step_seconds, default=0.0) if self.baseline else 0.0
-        return max(60.0, 10 * slowest)
+        restart = 3 * self.primary_start_s if case is not None and case.restart_server else 0.0
+        return max(self.servers.min_step_limit_s, 10 * slowest) + restart
 
     def trigger_calls(self, share: float) -> int:
         """The generate call at which a kill happens: `share` of the calls the `none` case made in all (a
@@ -388,8 +426,10 @@ class Suite:
     ) -> None:
         """Each case in turn, its entry into `results`, then `on_case()`. A case the suite itself cannot run (its
         processes do not start, an import fails) gets an entry saying so, and the suite goes on."""
-        self.primary = SimProcess(self.size.server, log_path=self._log_path("simserver"))
+        self.primary = self.servers.primary(self._log_path(self.servers.kind))
+        begun = time.monotonic()
         await anyio.to_thread.run_sync(self.primary.start)
+        self.primary_start_s = time.monotonic() - begun
         try:
             for case in cases:
                 started = time.monotonic()
@@ -420,17 +460,32 @@ class Suite:
             from benchmarks.faults_ray import run_ray_case
 
             return await run_ray_case(self, case)
+        if case.restart_server and (reason := self.servers.cannot_kill(self.primary)) is not None:
+            return CaseRun(case.name, skipped=reason)
         if case.topology == "single":
             return await self._run_on([self.primary], case)
         if case.topology == "router" and (reason := router_available()) is not None:
             return CaseRun(case.name, skipped=reason)
-        servers = [SimProcess(self.size.server, log_path=self._log_path(f"{case.name}-{i}")) for i in range(2)]
+        reuse = [self.primary] if self.servers.reuses_primary else []
+        fresh = [self.servers.new(self._log_path(f"{case.name}-{i}")) for i in range(2 - len(reuse))]
+        servers = reuse + fresh
         try:
-            for server in servers:
-                await anyio.to_thread.run_sync(server.start)
+            for server in fresh:
+                begun = time.monotonic()
+                try:
+                    await anyio.to_thread.run_sync(server.start)
+                except ProcessUnavailable as exc:
+                    if not reuse:
+                        raise
+                    waited = time.monotonic() - begun
+                    why = f"a second {self.servers.kind} server did not start beside the first ({waited:.0f} s): {exc}"
+                    return CaseRun(case.name, skipped=why)
             if case.topology == "pool":
                 return await self._run_on(servers, case)
-            router = RouterProcess([s.url for s in servers], log_path=self._log_path(f"{case.name}-router"))
+            router = RouterProcess(
+                [s.url for s in servers], health_timeout_s=self.servers.health_timeout_s,
+                log_path=self._log_path(f"{case.name}-router"),
+            )  # fmt: skip
             try:
                 await anyio.to_thread.run_sync(router.start)
             except ProcessUnavailable as exc:
@@ -440,23 +495,33 @@ class Suite:
             finally:
                 await anyio.to_thread.run_sync(router.stop)
         finally:
-            for server in servers:
+            for server in fresh:
                 await anyio.to_thread.run_sync(server.stop)
 
-    async def _run_on(self, servers: list[SimProcess], case: Case, *, url: str | None = None) -> CaseRun:
+    async def _run_on(self, servers: list[Any], case: Case, *, url: str | None = None) -> CaseRun:
+        """The case on `servers` (the first one injecting the case's server faults), through `url` when given (a
+        router in front of them), else through each server's own URL."""
         run = CaseRun(case.name)
         for server in servers:
-            await _post(server.url, "/sim/reset", {"weight_version": "v0"})
-            await _post(server.url, "/sim/faults", {"error_rate": 0.0, "malformed_rate": 0.0, "fault_seed": self.seed})
-            await _post(server.url, "/stats/reset")
-        if case.server_faults:
-            await _post(servers[0].url, "/sim/faults", {**case.server_faults, "fault_seed": self.seed})
+            await self.servers.reset(server, seed=self.seed)
+        async with self.servers.front(servers[0], case.server_faults, seed=self.seed) as front:
+            await self._run_through(front, servers, case, run, url=url)
+        for env in SubprocessEnv.live():  # children of envs the engine did not get to close (a crash)
+            env.close()
+        return run
+
+    async def _run_through(
+        self, front: ServerFront, servers: list[Any], case: Case, run: CaseRun, *, url: str | None
+    ) -> None:
         env_log, reward_log = FaultLog(), RewardLog()
         reward = RewardModel(self.workload, self.encoder, reward_log) if self.workload.reward_source == "rm" else None
         if reward is not None and case.reward_error_rate:
             reward = FaultyReward(reward, case.reward_error_rate, seed=self.seed)
         source = CountingSource(self.workload)
-        clients = [SGLangBackend(s.url, timeout=120.0) for s in servers] if url is None else [SGLangBackend(url)]
+        if url is None:
+            clients = [SGLangBackend(u, timeout=120.0) for u in [front.url, *(s.url for s in servers[1:])]]
+        else:
+            clients = [SGLangBackend(url)]
         async with contextlib.AsyncExitStack() as stack:
             for client in clients:
                 await stack.enter_async_context(client)
@@ -471,17 +536,9 @@ class Suite:
         run.injected["env_calls"] = env_log.snapshot()["calls"]
         if isinstance(reward, FaultyReward):
             run.injected["reward"] = {"calls": reward.calls, "raised": reward.injected}
-        for server in servers:
-            if server.is_running:
-                with contextlib.suppress(httpx.HTTPError):
-                    stats = await _get(server.url, "/stats")
-                    injected = run.injected.setdefault("server", Counter())
-                    injected.update(stats.get("injected", {}))
-        if "server" in run.injected:
-            run.injected["server"] = dict(run.injected["server"])
-        for env in SubprocessEnv.live():  # children of envs the engine did not get to close (a crash)
-            env.close()
-        return run
+        if servers[0].is_running:
+            with contextlib.suppress(httpx.HTTPError):
+                run.injected["server"] = await front.counts()
 
     def _env_factory(self, case: Case, log: FaultLog) -> Callable[[EnvSample], EnvRunner]:
         workload, spec = self.workload, case.env
@@ -503,7 +560,7 @@ class Suite:
         return factory
 
     async def _drive(
-        self, case: Case, run: CaseRun, engine: RolloutEngine, backend: CallTriggers, servers: list[SimProcess]
+        self, case: Case, run: CaseRun, engine: RolloutEngine, backend: CallTriggers, servers: list[Any]
     ) -> None:
         """The steps, with the case's faults happening alongside; every failure of the engine is recorded."""
         size = self.size
@@ -518,7 +575,7 @@ class Suite:
                     backend.step = step
                     begun = time.monotonic()
                     try:
-                        with anyio.fail_after(self.step_limit_s()):
+                        with anyio.fail_after(self.step_limit_s(case)):
                             groups = await engine.rollout(size.target_groups)
                         trains = True
                     except TimeoutError:
@@ -540,7 +597,7 @@ class Suite:
                         [outcome_of(t, g.row["metadata"]["prompt_id"], trains) for g in groups for t in g.trajectories]
                     )
                     run.returned_prompts += [g.row["metadata"]["prompt_id"] for g in groups]
-                    if not await self._between_steps(run, engine, servers, state, step):
+                    if not await self._between_steps(case, run, engine, servers, state, step):
                         break
                 run.wall_seconds = time.monotonic() - started
                 await self._hold(run, engine)
@@ -553,18 +610,17 @@ class Suite:
             run.held_prompts = []  # the engine is gone, and what it held with it
 
     async def _between_steps(
-        self, run: CaseRun, engine: RolloutEngine, servers: list[SimProcess], state: dict[str, Any], step: int
+        self, case: Case, run: CaseRun, engine: RolloutEngine, servers: list[Any], state: dict[str, Any], step: int
     ) -> bool:
         """Pause, update the weights of every live server, resume; False (and a failure recorded) if that fails."""
         version = f"v{step + 1}"
         try:
-            with anyio.fail_after(self.step_limit_s()):
+            with anyio.fail_after(self.step_limit_s(case)):
                 await engine.pause()
                 await state["ready"].wait()  # a server being restarted comes back first
                 for server in servers:
                     if server.is_running:
-                        body = {"model_path": WEIGHTS_PATH, "weight_version": version}
-                        await _post(server.url, "/update_weights_from_disk", body)
+                        await self.servers.update_weights(server, version)
                 state["version"] = version
                 if step + 1 < self.size.num_steps:
                     await engine.resume(version)
@@ -591,7 +647,7 @@ class Suite:
         run.engine = engine_figures(engine)
 
     async def _actions(
-        self, case: Case, run: CaseRun, backend: CallTriggers, servers: list[SimProcess], state: dict[str, Any]
+        self, case: Case, run: CaseRun, backend: CallTriggers, servers: list[Any], state: dict[str, Any]
     ) -> None:
         """The kills of this case, at their moments. A kill that cannot be done is noted."""
         try:
@@ -620,24 +676,25 @@ class Suite:
             run.actions.append({"action": "kill env process", "at_call": at, "env": victim.key, "pid": pid})
 
     async def _restart_server(
-        self, case: Case, run: CaseRun, backend: CallTriggers, server: SimProcess, state: dict[str, Any]
+        self, case: Case, run: CaseRun, backend: CallTriggers, server: Any, state: dict[str, Any]
     ) -> None:
+        """At its moment, the server killed and started again on its port; between steps, the suite waits for it."""
         at = self.trigger_calls(KILL_FROM)
         await backend.at(at).wait()
         state["ready"] = anyio.Event()
-        with contextlib.suppress(httpx.HTTPError):  # what it injected before it dies
-            injected = (await _get(server.url, "/stats")).get("injected", {})
-            run.injected.setdefault("server_before_restart", injected)
         killed = time.monotonic()
-        await anyio.to_thread.run_sync(server.kill)
-        faults = {k: v for k, v in case.server_faults.items()}
-        server.config = replace(self.size.server, weight_version=state["version"], fault_seed=self.seed + 1, **faults)
-        await anyio.to_thread.run_sync(server.start)
+        try:
+            before = await self.servers.restart(
+                server, faults=dict(case.server_faults), version=state["version"], seed=self.seed
+            )
+        finally:
+            state["ready"].set()  # back, or the failure noted by _actions: the steps go on either way
+        if before:  # what the killed server had injected (a simulated server's counts die with it)
+            run.injected.setdefault("server_before_restart", before)
         down = time.monotonic() - killed
-        state["ready"].set()
         run.actions.append({"action": "kill and restart the server", "at_call": at, "down_s": round(down, 3)})
 
-    async def _kill_worker(self, run: CaseRun, backend: CallTriggers, server: SimProcess) -> None:
+    async def _kill_worker(self, run: CaseRun, backend: CallTriggers, server: Any) -> None:
         at = self.trigger_calls(KILL_FROM)
         await backend.at(at).wait()
         await anyio.to_thread.run_sync(server.kill)
@@ -755,36 +812,60 @@ async def run_suite(
     log: Callable[[str], None] = print,
     workdir: Path | None = None,
     on_case: Callable[[dict[str, Any]], None] = lambda report: None,
+    servers: Servers | None = None,
 ) -> dict[str, Any]:
     """The report as a dict: one entry per case under "faults" (`none` first, always), the config, the notes;
-    `on_case(report)` after each case, with the entries so far."""
+    `on_case(report)` after each case, with the entries so far. `servers`: default simulated ones."""
     if "none" not in [c.name for c in cases]:
         cases = [CASES[0], *cases]
-    suite = Suite(size, seed=seed, log=log, workdir=workdir)
+    suite = Suite(size, seed=seed, log=log, workdir=workdir, servers=servers)
     report: dict[str, Any] = {
+        "server": suite.servers.kind,
         "faults": {},
         "config": {
             "seed": seed, "size": asdict(size), "step_timeout_s": STEP_TIMEOUT_S, "hang_s": HANG_S,
             "ray_actor_killed_after_step": FAULT_STEP, "kills_between_call_shares": [KILL_FROM, KILL_TO],
             "workload": asdict(suite.workload), "retry": json.loads(suite.retry.model_dump_json()),
         },
-        "sglang": {"run": False, "why": SGLANG_NOTE},
+        "sglang": sglang_note(suite.servers.kind == "sglang"),
     }  # fmt: skip
     log(HEADER)
     await suite.run(cases, report["faults"], lambda: on_case(report))
+    report["config"]["server_start_s"] = round(suite.primary_start_s, 1)
     return report
+
+
+def sglang_note(run: bool) -> dict[str, Any]:
+    """The report's "sglang" entry: whether this run was against real SGLang, what that covers and what not."""
+    if run:
+        return {"run": True, "covers": SGLANG_COVERS, "differs": SGLANG_DIFFERS}
+    return {"run": False, "why": f"this run is against the simulated server. {SGLANG_COVERS} {SGLANG_DIFFERS}"}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("faults-report"))
-    parser.add_argument("--size", choices=list(SIZES), default="small")
+    parser.add_argument("--size", choices=list(SIZES), default="small",
+                        help=f"with --sglang: {' or '.join(SGLANG_SIZES)} (SGLANG_SIZES)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--faults", nargs="+", choices=CASE_NAMES, help="cases to run (default: all); none always")
-    parser.add_argument("--sglang", action="store_true", help="the real SGLang CPU server (not run: see the report)")
+    parser.add_argument("--sglang", action="store_true", help="against real SGLang CPU servers (tests/sglang_cpu)")
+    parser.add_argument("--sglang-url", metavar="URL", help="with --sglang: a running SGLang server to use (the "
+                        "cases that kill it are skipped)")  # fmt: skip
     args = parser.parse_args(argv)
+    servers: Servers | None = None
+    sizes = SIZES
+    if args.sglang_url and not args.sglang:
+        parser.error("--sglang-url is read with --sglang only")
     if args.sglang:
-        print(f"--sglang: {SGLANG_NOTE}", file=sys.stderr)
+        from benchmarks.faults_sglang import SGLangServers, unavailable
+
+        if args.size not in SGLANG_SIZES:
+            parser.error(f"--size {args.size} is not sized for the SGLang CPU server; with --sglang choose "
+                         f"{' or '.join(SGLANG_SIZES)}")  # fmt: skip
+        if (reason := unavailable()) is not None:
+            parser.error(f"--sglang: {reason}")
+        servers, sizes = SGLangServers(url=args.sglang_url), SGLANG_SIZES
     cases = [c for c in CASES if args.faults is None or c.name in args.faults]
     started = time.monotonic()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -795,7 +876,14 @@ def main(argv: list[str] | None = None) -> int:
         report["complete"] = final
         write_outputs(report, args.out, plot=final)
 
-    report = anyio.run(lambda: run_suite(SIZES[args.size], cases, seed=args.seed, workdir=args.out, on_case=save))
+    size = sizes[args.size]
+    try:
+        report = anyio.run(
+            lambda: run_suite(size, cases, seed=args.seed, workdir=args.out, on_case=save, servers=servers)
+        )
+    except ProcessUnavailable as exc:  # the suite's own server did not come up: nothing was run
+        print(f"faults: error: the suite's server did not start: {exc}", file=sys.stderr)
+        return 1
     save(report, final=True)
     print(f"wrote {args.out}/report.json, report.md, faults.png in {report['total_seconds']:.0f}s")
     return 0

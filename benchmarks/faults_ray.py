@@ -15,11 +15,11 @@ import math
 import os
 import time
 from dataclasses import replace
+from functools import partial
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import anyio
-import httpx
 
 from benchmarks.faults_env import ARGS_KEY
 from benchmarks.faults_servers import REPO
@@ -75,23 +75,16 @@ def outcome_of_sample(sample: Any) -> Any:
                    int(sample.group_index))  # fmt: skip
 
 
-def _post(url: str, path: str, body: dict[str, Any]) -> None:
-    with httpx.Client(base_url=url, trust_env=False, timeout=10.0) as client:
-        client.post(path, json=body).raise_for_status()
-
-
 def _run(suite: Suite, case: Case) -> CaseRun:
     import ray
 
-    from benchmarks.faults import FAULT_STEP, STEP_TIMEOUT_S, WEIGHTS_PATH, CaseRun, failure_record
+    from benchmarks.faults import FAULT_STEP, STEP_TIMEOUT_S, CaseRun, failure_record
     from bridge.ray_actor import NAMESPACE, attach_or_create
     from bridge.settings import BridgeSettings
     from engine.scheduler.retry import RetryPolicy
 
     size, server, run = suite.size, suite.primary, CaseRun(case.name)
-    _post(server.url, "/sim/reset", {"weight_version": "v0"})
-    _post(server.url, "/sim/faults", {"error_rate": 0.0, "malformed_rate": 0.0})
-    _post(server.url, "/stats/reset", {})
+    anyio.from_thread.run(partial(suite.servers.reset, server, seed=suite.seed))  # this runs in a worker thread
     workload = replace(suite.workload, reward_source="env")  # the bridge scores by the env's reward
     settings = BridgeSettings(
         n_samples_per_prompt=size.n_samples, target_groups=size.target_groups, partial_rollout=True,
@@ -131,7 +124,7 @@ def _run(suite: Suite, case: Case) -> CaseRun:
             run.returned_prompts += [int(group[0].group_index) for group in out.samples]
             service.pause()
             version = f"v{step + 1}"
-            _post(server.url, "/update_weights_from_disk", {"model_path": WEIGHTS_PATH, "weight_version": version})
+            anyio.from_thread.run(suite.servers.update_weights, server, version)
             if step == FAULT_STEP:
                 held = service.held_prompts()
                 killed = time.monotonic()

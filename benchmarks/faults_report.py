@@ -12,7 +12,8 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
 
     faults = report["faults"]
     lines = [
-        f"# Fault injection ({report.get('size', '?')} size, seed {report['config']['seed']})",
+        f"# Fault injection ({report.get('size', '?')} size, seed {report['config']['seed']}, "
+        f"{report.get('server', 'simulated')} server)",
         "",
         "Each case runs the long-tail workload through a fresh engine with partial rollout; `none` injects nothing.",
         "Prompts: taken, returned, held at the end, lost (must be 0). Throughput: trained tokens per second, and",
@@ -56,7 +57,9 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
         if error.get("traceback_head"):
             lines += ["  ```", *("  " + row for row in error["traceback_head"]), "  ```"]
     sglang = report.get("sglang", {})
-    if not sglang.get("run"):
+    if sglang.get("run"):
+        lines += ["", "## Against real SGLang (--sglang)", "", sglang["covers"], "", sglang["differs"]]
+    else:
         lines += ["", "## --sglang", "", sglang.get("why", "not run")]
     path.write_text("\n".join(lines) + "\n")
 
@@ -92,7 +95,9 @@ def plot(report: dict[str, Any], path: Path) -> None:
             ax.text(value, i, " " + label, va="center", fontsize=8)
     axes[0].set_yticks(list(y), names, fontsize=8)
     axes[0].invert_yaxis()
-    fig.suptitle(f"fault injection, {report.get('size', '')} size (red: the engine failed or a prompt was lost)")
+    server = report.get("server", "simulated")
+    fig.suptitle(f"fault injection, {report.get('size', '')} size, {server} server "
+                 "(red: the engine failed or a prompt was lost)")  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

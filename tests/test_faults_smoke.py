@@ -1,6 +1,8 @@
 """The fault-injection suite (benchmarks/faults.py) end to end at its smallest size: every fault injected, no
 prompt lost, the engine neither crashed nor hung, and the report, table and figure written. Also the simulated
-server's own fault injection, and its restart on the same port."""
+server's own fault injection, and its restart on the same port; the fault proxy of the --sglang variant where no
+server answers, and its bad settings; the suite's bad flags. (tests/test_faults_sglang.py runs the suite against a
+real SGLang server.)"""
 
 from __future__ import annotations
 
@@ -9,8 +11,9 @@ import json
 import httpx
 import pytest
 
+from benchmarks.faultproxy import FaultProxy, ProxyFaults
 from benchmarks.faults import CASES, SIZES, main
-from benchmarks.faults_servers import SimProcess
+from benchmarks.faults_servers import SimProcess, free_port
 from benchmarks.longtail_model import IM_END, IM_START
 from benchmarks.simserver import SimConfig
 from engine.backends.base import SamplingParams
@@ -80,12 +83,51 @@ async def test_the_simulated_server_injects_server_errors_and_malformed_replies_
             assert (await backend.generate(prompt, params)).finish_reason == "stop"
 
 
+@pytest.mark.anyio
+async def test_the_fault_proxy_drops_the_connection_when_its_server_is_gone():
+    prompt = [IM_START, 872, 198, 1000, IM_END, 198, IM_START, 77091, 198]
+    async with FaultProxy(f"http://127.0.0.1:{free_port()}") as proxy:  # nothing listens there
+        backend = SGLangBackend(proxy.url, timeout=10)
+        try:
+            with pytest.raises(BackendError) as raised:
+                await backend.generate(prompt, SamplingParams(max_new_tokens=4))
+        finally:
+            await backend.aclose()
+    assert raised.value.error_class is ErrorClass.CONNECTION  # as from a dead server, not a proxy's HTTP 502
+    assert proxy.dropped == 1 and not proxy.forwarded
+
+
+def test_bad_fault_proxy_settings_are_one_error_naming_them():
+    with pytest.raises(ValueError, match="error_rate must be between 0 and 1, got 1.5"):
+        ProxyFaults(error_rate=1.5)
+    with pytest.raises(ValueError, match="error_rate \\+ malformed_rate must be at most 1"):
+        ProxyFaults(error_rate=0.6, malformed_rate=0.6)
+    with pytest.raises(ValueError, match="error_status must be a 5xx status, got 404"):
+        ProxyFaults(error_status=404)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--sglang", "--size", "large"], "--size large is not sized for the SGLang CPU server; with --sglang choose "
+                                          "smoke or small"),
+        (["--sglang-url", "http://127.0.0.1:1"], "--sglang-url is read with --sglang only"),
+    ],
+)  # fmt: skip
+def test_a_bad_suite_flag_is_one_error_at_start(argv, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["--out", str(tmp_path), *argv])
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
 @pytest.mark.slow
 def test_the_suite_writes_a_report_with_an_entry_per_fault_a_table_and_a_figure(suite):
     report, out = suite
     assert list(report["faults"]) == ENGINE_CASES
     assert report["size"] == SIZE and report["complete"] and report["sglang"]["run"] is False
-    assert report["sglang"]["why"]
+    assert report["server"] == "simulated" and "--sglang runs every case" in report["sglang"]["why"]
     table = (out / "report.md").read_text()
     assert all(name in table for name in ENGINE_CASES)
     assert (out / "faults.png").stat().st_size > 0
