@@ -1,5 +1,5 @@
 """Shared fixtures: the real Qwen tokenizer and VL processor (built once per session), the chat-template
-fixtures, and anyio's pytest plugin on asyncio."""
+fixtures, and anyio's pytest plugin on asyncio; the SGLang tier collected last."""
 
 from __future__ import annotations
 
@@ -9,6 +9,12 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def pytest_collection_modifyitems(config, items):
+    """The SGLang tier last, in its collected order: the session's SGLang servers, once started, keep the
+    CPU busy until the session ends, and the timing tests of the simulated server must not run beside them."""
+    items.sort(key=lambda item: item.get_closest_marker("sglang") is not None)
 
 
 @pytest.fixture
