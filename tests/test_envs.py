@@ -230,6 +230,33 @@ async def test_a_runner_whose_timed_out_step_still_runs_refuses_to_call_the_env_
 
 
 @pytest.mark.anyio
+async def test_a_step_that_timed_out_waiting_for_a_thread_never_runs_and_leaves_its_env_free():
+    """All env threads busy: a step's timeout passes before it gets one. That call never runs, so its env is
+    not busy, and closing it does not wait for a call that will never return (a thread left waiting on it
+    kept the process from exiting)."""
+    limiter, busy = anyio.CapacityLimiter(1), BlockingEnv()
+    waiting = BlockingEnv()
+    runner = EnvRunner(waiting, step_timeout=0.05, limiter=limiter)
+    try:
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(EnvRunner(busy, limiter=limiter).step, "x")
+                await anyio.to_thread.run_sync(busy.started.wait, 10)  # the one thread is taken
+                with pytest.raises(EnvError) as caught:
+                    await runner.step("y")
+                assert caught.value.error_class is ErrorClass.ENV_TIMEOUT
+                assert not runner.is_busy
+                busy.release.set()
+            waiting.release.set()
+            result = await runner.step("z")  # called again as it is: nothing else touches it
+            await runner.close()
+    finally:
+        busy.release.set()
+        waiting.release.set()
+    assert result.observation == {"obs_str": "released"} and waiting.started.is_set()
+
+
+@pytest.mark.anyio
 async def test_a_timeout_error_raised_by_the_env_itself_is_an_exception_not_our_timeout():
     with pytest.raises(EnvError) as caught:
         await EnvRunner(RaisingEnv(TimeoutError("socket read timed out")), step_timeout=30).step("x")

@@ -4,10 +4,13 @@ No prompt is lost, the engine neither crashed nor hung, and each fault is counte
 proxy on its own in front of the real server: replies pass through unchanged, or come back as the errors the
 client classifies (tests/test_faults_smoke.py checks it without a server).
 
-The two fault cases run at higher rates than the suite's (30% of env steps, 25% of /generate requests), so that
-a smoke-sized run, a few dozen calls, draws them every time. One SGLang server is started for the module (about
-25 s on an idle 2-core machine, far longer on a busy one); without the SGLang venv the tests skip, saying why
-(fail under TURNSTILE_REQUIRE_SGLANG=1).
+The two fault cases run at higher rates than the suite's (20% of env steps, 25% of /generate requests), so that
+a smoke-sized run, a few dozen calls, draws them every time. The env is declared replay safe, so a failed step is
+retried: an env that is not ends its trajectory at its first fault, and at 30% a step of 4 trajectories then had
+more than half of them FAILED often enough that both steps were refused and nothing trained.
+
+One SGLang server is started for the module (about 25 s on an idle 2-core machine, far longer on a busy one);
+without the SGLang venv the tests skip, saying why (fail under TURNSTILE_REQUIRE_SGLANG=1).
 """
 
 from __future__ import annotations
@@ -32,8 +35,8 @@ pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 SIZE = SGLANG_SIZES["smoke"]
 BY_NAME = {case.name: case for case in CASES}
 ENV_CASE = replace(
-    BY_NAME["env_exception_10pct"], name="env_exception_30pct", what="30% of env steps raise",
-    env=FaultSpec(exception=0.30),
+    BY_NAME["env_exception_10pct_replay_safe"], name="env_exception_20pct_replay_safe",
+    what="20% of env steps raise; the env declared replay safe", env=FaultSpec(exception=0.20, replay_safe=True),
 )  # fmt: skip
 SERVER_CASE = replace(
     BY_NAME["server_5xx"], name="server_5xx_25pct", what="25% of /generate requests answered HTTP 503 by the proxy",
@@ -102,7 +105,7 @@ def test_env_exceptions_are_counted_under_their_class(report):
     raised = entry["injected"]["env"].get("exception", 0)
     assert raised > 0, entry["injected"]
     spent, failed = entry["retries"]["spent_by_class"], entry["trajectories"]["failed_by_error_class"]
-    assert spent.get("env_exception", 0) + failed.get("env_exception", 0) > 0, (spent, failed)
+    assert spent.get("env_exception", 0) > 0, (spent, failed)  # replay safe: a failed step is retried
     assert set(failed) <= {"env_exception"}, failed  # nothing else went wrong
 
 

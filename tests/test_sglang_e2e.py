@@ -173,7 +173,9 @@ def test_generate_rollout_against_a_real_sglang_server(server):
     flaky = [s for s in returned if s.index % 5 == 1 and s.index % 13 != 7]
     assert all(s.status.value == "failed" and s.remove_sample for s in failing)
     assert all(s.status.value != "failed" for s in flaky)
-    assert all(s.metadata["turns"][0]["retries"] == 1 for s in flaky)
+    # one env_exception retry each, in the first turn; a busy server may add retries of its own classes
+    assert all(s.metadata["retries"].get("env_exception") == 1 for s in flaky), [s.metadata["retries"] for s in flaky]
+    assert all(s.metadata["turns"][0]["retries"] >= 1 for s in flaky), [s.metadata["turns"][0] for s in flaky]
     assert all("scripted env failure" in s.metadata["failure"] for s in failing)
     assert failing and flaky, "the run returned no sample of the failing kinds"
 

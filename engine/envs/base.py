@@ -155,7 +155,10 @@ class EnvRunner:
         """Close the env, shielded from cancellation and bounded by `timeout`. Raises EnvError."""
         with anyio.move_on_after(timeout, shield=True):
             if self.is_busy:  # let the abandoned call return first: closing under it could break either
-                await anyio.to_thread.run_sync(self._abandoned.wait, abandon_on_cancel=True)
+                # bounded in the thread too: a thread left waiting would keep the process from exiting
+                await anyio.to_thread.run_sync(self._abandoned.wait, timeout, abandon_on_cancel=True)
+                if self.is_busy:
+                    return  # still running after `timeout`: the env is left to it, unclosed (its timeout was counted)
             await self._call("close")
 
     async def _call(self, method: str, *args: Any) -> Any:
@@ -169,17 +172,15 @@ class EnvRunner:
                 ErrorClass.ENV_EXCEPTION, f"env {self.name}.{method}: an earlier call that timed out is still running"
             )
         fn, is_async = self._method(method)
-        result = returned = None
+        result = call = None
         timeout = None if method == "close" else self.step_timeout
         with self._timeout(timeout) as scope:
             try:
                 if is_async:
                     result = await fn(*args)
                 elif fn is not None:
-                    returned = threading.Event()
-                    result = await anyio.to_thread.run_sync(
-                        _signalling(fn, returned), *args, abandon_on_cancel=True, limiter=self.limiter
-                    )
+                    call = _ThreadCall(fn)
+                    result = await anyio.to_thread.run_sync(call, *args, abandon_on_cancel=True, limiter=self.limiter)
             except EnvRetryableError as exc:
                 raise EnvError(ErrorClass.ENV_RETRYABLE, f"env {self.name}.{method} asked for a retry: {exc}") from exc
             except TurnError:  # classified already (an env's own EnvError, its LLM judge's JUDGE): as it is
@@ -187,8 +188,8 @@ class EnvRunner:
             except Exception as exc:
                 raise EnvError(ErrorClass.ENV_EXCEPTION, f"env {self.name}.{method} raised {exc!r}") from exc
         if scope is not None and scope.cancelled_caught:
-            if returned is not None and not returned.is_set():
-                self._abandoned = returned
+            if call is not None:
+                self._abandoned = call.give_up()
             raise EnvError(ErrorClass.ENV_TIMEOUT, f"env {self.name}.{method} timed out after {self.step_timeout}s")
         return result
 
@@ -214,16 +215,33 @@ class EnvRunner:
 _NO_TIMEOUT = contextlib.nullcontext()
 
 
-def _signalling(fn: Callable[..., Any], returned: threading.Event) -> Callable[..., Any]:
-    """`fn`, setting `returned` once it has returned or raised (in its worker thread)."""
+class _ThreadCall:
+    """A sync env call for a worker thread, which knows, once its caller has given up on it (a timeout),
+    whether it will never run (it timed out waiting for a thread) or is running, touching the env."""
 
-    def call(*args: Any) -> Any:
+    __slots__ = ("fn", "returned", "_lock", "_state")
+
+    def __init__(self, fn: Callable[..., Any]):
+        self.fn, self.returned = fn, threading.Event()  # set once `fn` has returned or raised
+        self._lock, self._state = threading.Lock(), "waiting"
+
+    def __call__(self, *args: Any) -> Any:
+        with self._lock:
+            if self._state == "given up":
+                return None  # its caller has gone: it never runs
+            self._state = "running"
         try:
-            return fn(*args)
+            return self.fn(*args)
         finally:
-            returned.set()
+            self.returned.set()
 
-    return call
+    def give_up(self) -> threading.Event | None:
+        """What to wait for before the env is called again: None where the call never ran, and never will."""
+        with self._lock:
+            if self._state == "waiting":
+                self._state = "given up"
+                return None
+        return None if self.returned.is_set() else self.returned
 
 
 def _short(value: Any) -> str:
