@@ -49,6 +49,7 @@ from engine.backends.affinity import POLICIES
 from engine.backends.base import GenerateResult, SamplingParams
 from engine.backends.pool import BackendPool
 from engine.backends.sglang import SGLangBackend
+from engine.backends.transport import http_transport
 from engine.encoding import ChatEncoder
 from engine.engine import EngineConfig, RolloutEngine
 from engine.envs.base import AsyncInteractionEnv, EnvRunner
@@ -205,8 +206,8 @@ class LagMonitor:
 
 
 def plain_http() -> httpx.AsyncHTTPTransport:
-    """A transport for plain http on this machine: without TLS it needs no CA bundle (0.1 s a client to load)."""
-    return httpx.AsyncHTTPTransport(verify=False, limits=httpx.Limits(max_connections=4096, keepalive_expiry=60))
+    """The backend's own transport for plain http on this machine, with room for every trajectory in flight."""
+    return http_transport(httpx.Limits(max_connections=4096, keepalive_expiry=60), tls=False)
 
 
 def rss_bytes() -> int:

@@ -695,3 +695,39 @@ async def test_closed_backend_refuses_requests(server):
         await backend.generate([1], PARAMS)
     with pytest.raises(RuntimeError):
         await backend.generate([1], PARAMS)
+
+
+@pytest.mark.anyio
+async def test_a_kept_alive_connection_the_server_closed_is_found_closed_and_not_reused():
+    """The backend's transport tells an idle connection the server has closed by one poll of its socket
+    (engine/backends/transport.py): the next request goes on a new connection, not the dead one."""
+    from engine.backends.transport import http_transport
+
+    connections, close_now, closed = 0, anyio.Event(), anyio.Event()
+    reply = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+
+    async def answer_once_then_close(stream):
+        nonlocal connections
+        connections += 1
+        async with stream:
+            request = b""
+            while b"\r\n\r\n" not in request:
+                request += await stream.receive()
+            await stream.send(reply)  # kept alive, as far as the client can tell, until the test says
+            await close_now.wait()
+        closed.set()  # on loopback its end of stream is on the client's socket once close() returns
+
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+    port = listener.extra(anyio.abc.SocketAttribute.local_port)
+    transport = http_transport(httpx.Limits(max_connections=4), tls=False)
+    with anyio.fail_after(10):
+        async with listener, anyio.create_task_group() as tg, httpx.AsyncClient(transport=transport) as client:
+            tg.start_soon(listener.serve, answer_once_then_close)
+            assert (await client.get(f"http://127.0.0.1:{port}/health")).json() == {}
+            [pooled] = transport._pool.connections
+            assert type(pooled._connection._network_stream).__name__ == "_PollingStream"
+            close_now.set()
+            await closed.wait()
+            assert (await client.get(f"http://127.0.0.1:{port}/health")).json() == {}
+            tg.cancel_scope.cancel()
+    assert connections == 2

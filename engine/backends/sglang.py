@@ -48,7 +48,7 @@ from engine.backends.sglang_format import (
     generate_body,
     parse_generate_reply,
 )
-from engine.backends.transport import HTTPServer
+from engine.backends.transport import HTTPServer, http_transport
 from engine.backends.workers import list_workers
 from engine.errors import BackendError, ErrorClass
 
@@ -96,12 +96,12 @@ class SGLangBackend:
         self.rid_prefix = f"turnstile-{uuid.uuid4().hex[:8]}-"
         self.is_router: bool | None = None
         self._json_strings = SHARED_JSON_STRINGS if json_strings is None else json_strings
+        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout, connect=connect_timeout),
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
             headers=headers,
             trust_env=False,
-            transport=transport,
+            transport=transport or http_transport(limits, tls=self.url.startswith("https:")),
         )
         self._health_timeout = httpx.Timeout(min(timeout, HEALTH_TIMEOUT_S), connect=connect_timeout)
         self._server = HTTPServer(self._client, self.url, f"SGLang server at {self.url}")

@@ -5,13 +5,73 @@ CONNECTION, no answer in time TIMEOUT, HTTP 5xx SERVER, HTTP 4xx CLIENT, and a r
 
 from __future__ import annotations
 
+import select
+import socket
 from typing import Any
 
+import httpcore
 import httpx
 
 from engine.errors import BackendError, ErrorClass
 
 EXCERPT_CHARS = 300
+
+
+def http_transport(limits: httpx.Limits, *, tls: bool = True) -> httpx.AsyncHTTPTransport:
+    """httpx's transport, whose connections answer "is this idle socket readable?" with one poll. `tls`:
+    False for a client of plain-http URLs only, which then loads no CA bundle (0.1 s a client).
+
+    httpcore's pool asks that of every idle connection on every request it starts and every reply it ends,
+    and anyio's stream builds all of its socket's attributes (a getpeername call included) to answer it: with
+    one client per server and dozens of connections each, that was half of the engine's CPU per turn
+    (benchmarks/scale.py)."""
+    transport = httpx.AsyncHTTPTransport(limits=limits, trust_env=False, verify=tls)
+    transport._pool._network_backend = _PollingBackend()  # noqa: SLF001 -- httpx takes no network backend
+    return transport
+
+
+class _PollingBackend(httpcore.AsyncNetworkBackend):
+    """httpcore's anyio backend, with streams that keep their raw socket."""
+
+    def __init__(self) -> None:
+        self._backend = httpcore.AnyIOBackend()
+
+    async def connect_tcp(self, *args: Any, **kw: Any) -> httpcore.AsyncNetworkStream:
+        return _PollingStream(await self._backend.connect_tcp(*args, **kw))
+
+    async def connect_unix_socket(self, *args: Any, **kw: Any) -> httpcore.AsyncNetworkStream:
+        return _PollingStream(await self._backend.connect_unix_socket(*args, **kw))
+
+    async def sleep(self, seconds: float) -> None:
+        await self._backend.sleep(seconds)
+
+
+class _PollingStream(httpcore.AsyncNetworkStream):
+    def __init__(self, stream: httpcore.AsyncNetworkStream):
+        self._stream = stream
+        self._socket: socket.socket | None = stream.get_extra_info("socket")
+
+    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        return await self._stream.read(max_bytes, timeout)
+
+    async def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        await self._stream.write(buffer, timeout)
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
+
+    async def start_tls(self, *args: Any, **kw: Any) -> httpcore.AsyncNetworkStream:
+        return _PollingStream(await self._stream.start_tls(*args, **kw))
+
+    def get_extra_info(self, info: str) -> Any:
+        if info == "is_readable":  # data or end of stream waiting: on an idle connection, the server closed it
+            fd = -1 if self._socket is None else self._socket.fileno()
+            if fd < 0:
+                return True
+            poll = select.poll()
+            poll.register(fd, select.POLLIN)
+            return bool(poll.poll(0))
+        return self._socket if info == "socket" else self._stream.get_extra_info(info)
 
 
 def excerpt(text: str) -> str:
