@@ -865,6 +865,17 @@ async def test_an_engine_that_cannot_start_raises_its_own_error(tokenizer):
                 pass
 
 
+def test_a_ray_address_nothing_answers_on_is_one_error_at_once():
+    from engine.envs.ray_workers import _check_reachable
+    from tests.net import free_port
+
+    address = f"127.0.0.1:{free_port()}"
+    with pytest.raises(ValueError, match=rf"no Ray cluster at ray_address '{address}': cannot connect"):
+        _check_reachable(address)
+    for left_to_ray in ("auto", "local", "ray://head:10001", None):
+        _check_reachable(left_to_ray)
+
+
 def test_the_readme_table_names_every_case_and_every_case_is_in_it():
     section = (ROOT / "README.md").read_text().split("\n## Bad input\n", 1)[1].split("\n## ", 1)[0]
     rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| input ")]

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -330,8 +331,21 @@ def _connect(address: str | None) -> Any:
     except ImportError as exc:
         raise ValueError("env_workers needs Ray, which is not installed here: pip install 'turnstile[ray]'") from exc
     if not ray.is_initialized():
+        _check_reachable(address)
         try:
             ray.init(address=address)
         except ConnectionError as exc:
             raise ValueError(f"env workers: no Ray cluster at ray_address {address!r}: {exc}") from exc
     return ray
+
+
+def _check_reachable(address: str | None, timeout: float = 5.0) -> None:
+    """Raise ValueError at once where `address` is a host:port nothing answers on (ray.init would retry for
+    minutes); other forms ("auto", "local", ray://...) are left to Ray."""
+    host, sep, port = (address or "").rpartition(":")
+    if not sep or "/" in address or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as exc:
+        raise ValueError(f"env workers: no Ray cluster at ray_address {address!r}: cannot connect ({exc})") from exc
