@@ -15,7 +15,9 @@ here (Ray's default is nice 15, which on a busy machine starves them).
 
 For each mode: turns per second (env steps answered, per second of wall time, workers' start-up not
 counted) and the engine loop's lag: a timer task in the engine's loop sleeps 10 ms at a time and
-records how late it wakes (p50, p99, max, ms). Targets: with Ray workers the p99 lag stays under 20 ms
+records how late it wakes (p50, p99, max, ms); and the CPU per env step (`cpu_ms_per_step`) of this process
+(the engine, and in `threads` mode the steps too) and of the env workers' processes (the steps, and each
+call's way through Ray and the worker), from /proc. Targets: with Ray workers the p99 lag stays under 20 ms
 where threads push it past 100 ms, and turns per second are at least 1.5x the threads'. The report
 goes to DIR/env_workers.json, with the machine's core count and load average: on a machine shared
 with other work, the figures move with that load.
@@ -100,8 +102,16 @@ class LagProbe:
         }
 
 
-async def run_mode(env_factory: Any, args: argparse.Namespace) -> dict[str, Any]:
-    """One pass of `--trajectories` trajectories through an engine with `env_factory`."""
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user and system) a process has used, from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def run_mode(env_factory: Any, args: argparse.Namespace, worker_pids: list[int] = ()) -> dict[str, Any]:
+    """One pass of `--trajectories` trajectories through an engine with `env_factory`; with the CPU it took,
+    per env step, in this process and in the processes of `worker_pids`."""
     rows = [{"prompt": [{"role": "user", "content": "q"}]} for _ in range(args.trajectories)]
     config = EngineConfig(
         max_inflight=args.inflight, max_generating=args.inflight, max_env_steps=args.inflight,
@@ -113,6 +123,7 @@ async def run_mode(env_factory: Any, args: argparse.Namespace) -> dict[str, Any]
     )
     statuses: dict[str, int] = {}
     num_turns = 0
+    engine_cpu, workers_cpu = time.process_time(), sum(map(process_cpu_s, worker_pids))
     started = time.perf_counter()
     async with engine, anyio.create_task_group() as probing:
         probing.start_soon(probe.run)
@@ -122,10 +133,16 @@ async def run_mode(env_factory: Any, args: argparse.Namespace) -> dict[str, Any]
                 statuses[str(trajectory.status)] = statuses.get(str(trajectory.status), 0) + 1
         seconds = time.perf_counter() - started
         probing.cancel_scope.cancel()
+    engine_cpu, workers_cpu = time.process_time() - engine_cpu, sum(map(process_cpu_s, worker_pids)) - workers_cpu
     return {
         "turns": num_turns,
         "seconds": round(seconds, 3),
         "turns_per_s": round(num_turns / seconds, 1),
+        # this process (the engine, and in `threads` mode the steps) and the env workers, per env step
+        "cpu_ms_per_step": {
+            "engine": round(engine_cpu / num_turns * 1000, 2),
+            "workers": round(workers_cpu / num_turns * 1000, 2),
+        },
         "loop_lag": probe.summary(),
         "statuses": statuses,
     }
@@ -136,7 +153,8 @@ async def threads_mode(factory: EnvFactory, args: argparse.Namespace) -> dict[st
 
 
 async def ray_mode(factory: EnvFactory, args: argparse.Namespace, pool: Any) -> dict[str, Any]:
-    return {"mode": "ray", "workers": args.workers, "capacity": args.capacity, **await run_mode(pool, args)}
+    pids = await pool.pids()
+    return {"mode": "ray", "workers": args.workers, "capacity": args.capacity, **await run_mode(pool, args, pids)}
 
 
 async def start_pool(factory: EnvFactory, args: argparse.Namespace) -> tuple[Any, float]:

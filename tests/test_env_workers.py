@@ -307,3 +307,25 @@ def test_the_rollout_service_hosts_its_envs_in_workers_and_ends_them_with_itself
     for worker in pool.workers:
         with pytest.raises(ray.exceptions.RayActorError):
             ray.get(worker.actor.pid.remote())
+
+
+def test_the_env_workers_benchmark_reports_both_modes(local_ray, tmp_path):
+    """benchmarks/env_workers.py at a tiny size: both modes answer every step, and the report has what its
+    docstring promises (turns/s, loop lag, the CPU per step of the engine and of the workers)."""
+    import json
+
+    from benchmarks.env_workers import main
+
+    argv = ["--out", str(tmp_path), "--trajectories", "4", "--turns", "4", "--inflight", "4", "--step-ms", "10"]
+    main([*argv, "--workers", "1"])
+    report = json.loads((tmp_path / "env_workers.json").read_text())
+    for mode in ("threads", "ray"):
+        entry = report[mode]
+        assert entry["turns"] == 16 and entry["statuses"] == {"completed": 4}, entry
+        assert entry["turns_per_s"] > 0 and entry["loop_lag"]["samples"] > 0
+    # the steps burn their 10 ms in this process's threads, or in the workers' (/proc counts 10 ms ticks)
+    assert report["threads"]["cpu_ms_per_step"]["engine"] >= 8
+    assert report["ray"]["cpu_ms_per_step"]["workers"] >= 8
+    assert set(report["targets"]) == {
+        "ray_p99_lag_under_20ms", "threads_p99_lag_over_100ms", "ray_turns_per_s_at_least_1.5x"
+    }  # fmt: skip
