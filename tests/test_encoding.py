@@ -20,21 +20,11 @@ from engine.envs.base import EnvRunner
 from engine.errors import ObservationError
 from engine.models import load_tokenizer, packaged_template
 from engine.multimodal import ImagePayloads
+from engine.template_drift import SYSTEM, TOOLS  # the conversations check-template runs
 from engine.trajectory import Status, StopReason, Trajectory
 from engine.turn import TurnLimits, run_trajectory
 from tests.fakes import ScriptedBackend, ScriptedEnv
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "calc_score",
-            "description": "Check an answer",
-            "parameters": {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]},
-        },
-    }
-]
-SYSTEM = "You solve arithmetic problems step by step."
 PROMPT = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is 17 + 25?"}]
 ANSWERS = [f"I think the answer is {40 + i}." for i in range(5)]
 LLAMA_SPECIALS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>"]
