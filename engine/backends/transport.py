@@ -23,8 +23,8 @@ def http_transport(limits: httpx.Limits, *, tls: bool = True) -> httpx.AsyncHTTP
 
     httpcore's pool asks that of every idle connection on every request it starts and every reply it ends,
     and anyio's stream builds all of its socket's attributes (a getpeername call included) to answer it: with
-    one client per server and dozens of connections each, that was half of the engine's CPU per turn
-    (benchmarks/scale.py)."""
+    one client per server and dozens of connections each, that check was a quarter of the engine loop's time
+    in benchmarks/scale.py."""
     transport = httpx.AsyncHTTPTransport(limits=limits, trust_env=False, verify=tls)
     transport._pool._network_backend = _PollingBackend()  # noqa: SLF001 -- httpx takes no network backend
     return transport
