@@ -37,7 +37,7 @@ import random
 from collections import Counter
 from dataclasses import dataclass
 
-import httpx
+import httpx2
 from aiohttp import web
 
 MALFORMED_KINDS = ("not_json", "no_meta_info", "logprobs_mismatch")
@@ -79,7 +79,7 @@ class FaultProxy:
         self.forwarded: Counter[str] = Counter()
         self.dropped = 0  # client connections dropped because the server could not be reached or went away
         self.set_faults(faults)
-        self._client: httpx.AsyncClient | None = None
+        self._client: httpx2.AsyncClient | None = None
         self._runner: web.AppRunner | None = None
 
     @property
@@ -96,9 +96,9 @@ class FaultProxy:
         self.dropped = 0
 
     async def __aenter__(self) -> FaultProxy:
-        self._client = httpx.AsyncClient(
+        self._client = httpx2.AsyncClient(
             base_url=self.upstream, timeout=UPSTREAM_TIMEOUT_S, trust_env=False,
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+            limits=httpx2.Limits(max_connections=None, max_keepalive_connections=64),
         )  # fmt: skip
         app = web.Application(client_max_size=1 << 30)
         app.router.add_route("*", "/{path:.*}", self._handle)
@@ -125,7 +125,7 @@ class FaultProxy:
                                      status=status)  # fmt: skip
         try:
             reply = await self._forward(request)
-        except httpx.TransportError:
+        except httpx2.TransportError:
             return self._drop(request)
         if is_generate and draw < self.faults.error_rate + self.faults.malformed_rate:
             corrupted = self._corrupt(reply)
@@ -135,7 +135,7 @@ class FaultProxy:
         headers = {k: v for k, v in reply.headers.items() if k.lower() not in HOP_BY_HOP}
         return web.Response(status=reply.status_code, body=reply.content, headers=headers)
 
-    async def _forward(self, request: web.Request) -> httpx.Response:
+    async def _forward(self, request: web.Request) -> httpx2.Response:
         if self._client is None:
             raise RuntimeError("FaultProxy forwards only inside `async with FaultProxy(...)`")
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
@@ -153,7 +153,7 @@ class FaultProxy:
             request.transport.close()
         return web.Response(status=502)
 
-    def _corrupt(self, reply: httpx.Response) -> web.Response | None:
+    def _corrupt(self, reply: httpx2.Response) -> web.Response | None:
         """The server's generate reply, malformed; None when there is nothing to corrupt (see the docstring)."""
         if not reply.is_success:
             return None

@@ -60,7 +60,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import httpx
+import httpx2
 import numpy as np
 
 from benchmarks.faults_servers import (
@@ -537,7 +537,7 @@ class Suite:
         if isinstance(reward, FaultyReward):
             run.injected["reward"] = {"calls": reward.calls, "raised": reward.injected}
         if servers[0].is_running:
-            with contextlib.suppress(httpx.HTTPError):
+            with contextlib.suppress(httpx2.HTTPError):
                 run.injected["server"] = await front.counts()
 
     def _env_factory(self, case: Case, log: FaultLog) -> Callable[[EnvSample], EnvRunner]:

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import anyio
-import httpx
+import httpx2
 
 from benchmarks.simserver import SimConfig
 
@@ -67,7 +67,7 @@ class _Process:
     def command(self) -> list[str]:
         raise NotImplementedError
 
-    def is_ready(self, client: httpx.Client) -> bool:
+    def is_ready(self, client: httpx2.Client) -> bool:
         raise NotImplementedError
 
     @property
@@ -82,14 +82,14 @@ class _Process:
                 self.command(), stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True
             )
         deadline = time.monotonic() + self.startup_timeout_s
-        with httpx.Client(timeout=5.0, trust_env=False) as client:
+        with httpx2.Client(timeout=5.0, trust_env=False) as client:
             while time.monotonic() < deadline:
                 if self.process.poll() is not None:
                     raise ProcessUnavailable(f"{self.what} exited with {self.process.returncode}:\n{self.log_tail()}")
                 try:
                     if self.is_ready(client):
                         return self
-                except httpx.TransportError:
+                except httpx2.TransportError:
                     pass
                 time.sleep(POLL_S)
         self.stop()
@@ -142,7 +142,7 @@ class SimProcess(_Process):
             flags += [flag if value else "--no-" + flag[2:]] if isinstance(value, bool) else [flag, str(value)]
         return [sys.executable, "-m", "benchmarks.simserver", "--port", str(self.port), *flags]
 
-    def is_ready(self, client: httpx.Client) -> bool:
+    def is_ready(self, client: httpx2.Client) -> bool:
         return client.get(f"{self.url}/health").status_code == 200
 
 
@@ -181,12 +181,12 @@ class RouterProcess(_Process):
             *self.extra,
         ]  # fmt: skip
 
-    def is_ready(self, client: httpx.Client) -> bool:
+    def is_ready(self, client: httpx2.Client) -> bool:
         response = client.get(f"{self.url}/readiness")
         return response.status_code == 200 and response.json().get("healthy_workers") == len(self.worker_urls)
 
     def healthy_workers(self) -> list[str]:
-        with httpx.Client(timeout=5.0, trust_env=False) as client:
+        with httpx2.Client(timeout=5.0, trust_env=False) as client:
             workers = client.get(f"{self.url}/workers").json().get("workers", [])
         return [w["url"] for w in workers if w.get("is_healthy")]
 
@@ -203,13 +203,13 @@ def router_available() -> str | None:
 async def post_json(
     url: str, path: str, body: dict[str, Any] | None = None, *, timeout: float = CONTROL_TIMEOUT_S
 ) -> Any:
-    async with httpx.AsyncClient(base_url=url, trust_env=False, timeout=timeout) as client:
+    async with httpx2.AsyncClient(base_url=url, trust_env=False, timeout=timeout) as client:
         response = (await client.post(path, json=body or {})).raise_for_status()
         return response.json() if response.content else None
 
 
 async def get_json(url: str, path: str, *, timeout: float = CONTROL_TIMEOUT_S) -> Any:
-    async with httpx.AsyncClient(base_url=url, trust_env=False, timeout=timeout) as client:
+    async with httpx2.AsyncClient(base_url=url, trust_env=False, timeout=timeout) as client:
         return (await client.get(path)).raise_for_status().json()
 
 
@@ -300,7 +300,7 @@ class SimServers:
         """SIGKILL and a new server on the same port, at `version`, injecting `faults` again (from another seed).
         Returns what the killed one had injected (its counts die with it)."""
         before: dict[str, int] = {}
-        with contextlib.suppress(httpx.HTTPError):
+        with contextlib.suppress(httpx2.HTTPError):
             before = dict((await get_json(server.url, "/stats")).get("injected", {}))
         await anyio.to_thread.run_sync(server.kill)
         server.config = replace(self.config, weight_version=version, fault_seed=seed + 1, **faults)

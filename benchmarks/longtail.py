@@ -62,7 +62,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import httpx
+import httpx2
 
 from benchmarks.longtail_common import PolicyRun, Setup, TimedBackend, build_timeline, summarize
 from benchmarks.simserver import SimConfig
@@ -166,7 +166,7 @@ def sim_server(config: SimConfig, *, timeout: float = 30.0) -> Iterator[str]:
 
 
 async def _post(url: str, path: str, body: dict[str, Any] | None = None) -> None:
-    async with httpx.AsyncClient(base_url=url, trust_env=False) as client:
+    async with httpx2.AsyncClient(base_url=url, trust_env=False) as client:
         (await client.post(path, json=body or {})).raise_for_status()
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
-import httpx
+import httpx2
 import numpy as np
 
 from benchmarks.workload import Workload
@@ -194,6 +194,8 @@ class Setup:
     concurrency: int  # generation slots (Turnstile) = the concurrency semaphore (slime-style)
     max_env_steps: int
     over_sampling: float
+    refill: float = 0.0
+    max_staleness: int = 1
     scheduling: str = "group_completion"
     server_url: str = ""
     env_log: dict[int, EnvRecord] = field(default_factory=dict)
@@ -202,7 +204,7 @@ class Setup:
 
     async def server_stats(self) -> dict[str, Any]:
         """The simulated server's measurements since its last /stats/reset."""
-        async with httpx.AsyncClient(base_url=self.server_url, trust_env=False) as client:
+        async with httpx2.AsyncClient(base_url=self.server_url, trust_env=False) as client:
             return (await client.get("/stats")).raise_for_status().json()
 
     def rows(self) -> Iterator[dict[str, Any]]:

@@ -30,7 +30,7 @@ from functools import partial
 from pathlib import Path
 
 import anyio
-import httpx
+import httpx2
 
 from benchmarks import emit
 from engine.backends.base import GenerateResult, SamplingParams
@@ -199,7 +199,7 @@ async def scrape_seconds(inflight: int, turns: int, scrapes: int = 20) -> dict:
 
         def scrape() -> list[float]:
             times = []
-            with httpx.Client() as client:
+            with httpx2.Client() as client:
                 for _ in range(scrapes):
                     started = time.perf_counter()
                     client.get(engine.exporter.url).raise_for_status()

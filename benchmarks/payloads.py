@@ -6,7 +6,7 @@
 
 One trajectory of N turns with the tiny Qwen2.5-VL processor: the prompt holds one image, and every turn
 the model answers and the env sends a photo-like PNG-able image (noise over a gradient, PX x PX) with a
-sentence. A turn is `SGLangBackend.generate` with every image so far, through an httpx.MockTransport that
+sentence. A turn is `SGLangBackend.generate` with every image so far, through an httpx2.MockTransport that
 answers after one yield to the loop (no network, no server: what is left is the client's own work), then
 encoding the env's observation: mode "sync" calls `encode_observation` (as engine/turn.py does today),
 mode "async" `aencode_observation` (where the code has it). Per turn:
@@ -17,7 +17,7 @@ mode "async" `aencode_observation` (where the code has it). Per turn:
                   stalls the rest of the engine would see, including a worker thread's GIL-held parts
 
 Each figure is the median over R repeats (fresh images each, so no cache helps across repeats). Pieces are
-timed alone too (fastest of 15): the body as httpx's `json=` builds it (the stdlib encoder) and as
+timed alone too (fastest of 15): the body as httpx2's `json=` builds it (the stdlib encoder) and as
 `generate_body` does (payloads already serialised, as on every turn but an image's first), a PNG payload,
 and a thread hop's loop CPU. `--tree` imports the engine from another source tree.
 """
@@ -58,18 +58,18 @@ class MockSGLang:
     yielding to the loop once as a network round trip would."""
 
     def __init__(self):
-        import httpx
+        import httpx2
 
         self.prompt_tokens = 0
-        self.transport = httpx.MockTransport(self.handle)
+        self.transport = httpx2.MockTransport(self.handle)
 
     async def handle(self, request):
         import anyio
-        import httpx
+        import httpx2
 
         await anyio.sleep(0)  # a reply comes back over the network: the loop runs other tasks meanwhile
         if request.url.path != "/generate":
-            return httpx.Response(404, json={"detail": "Not Found"})
+            return httpx2.Response(404, json={"detail": "Not Found"})
         meta = {
             "finish_reason": {"type": "stop", "matched": EOT},
             "prompt_tokens": self.prompt_tokens,
@@ -77,21 +77,21 @@ class MockSGLang:
             "weight_version": "0",
             "output_token_logprobs": [[-0.1, EOT, None]],
         }
-        return httpx.Response(200, json={"text": "", "output_ids": [EOT], "meta_info": meta})
+        return httpx2.Response(200, json={"text": "", "output_ids": [EOT], "meta_info": meta})
 
 
 def backend_for(mock: MockSGLang, image_token_id: int):
     """An SGLangBackend over the mock transport (given to it, or swapped in where the code predates the option)."""
     import inspect
 
-    import httpx
+    import httpx2
 
     from engine.backends.sglang import SGLangBackend
 
     if "transport" in inspect.signature(SGLangBackend).parameters:
         return SGLangBackend("http://sglang.test", image_token_id=image_token_id, transport=mock.transport)
     backend = SGLangBackend("http://sglang.test", image_token_id=image_token_id)
-    backend._client = backend._server.client = httpx.AsyncClient(transport=mock.transport)
+    backend._client = backend._server.client = httpx2.AsyncClient(transport=mock.transport)
     return backend
 
 

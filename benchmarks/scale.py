@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import httpx
+import httpx2
 import numpy as np
 
 from benchmarks.longtail import sim_server
@@ -205,9 +205,9 @@ class LagMonitor:
         return float(np.percentile(self.lags, q) * 1000) if self.lags else 0.0
 
 
-def plain_http() -> httpx.AsyncHTTPTransport:
+def plain_http() -> httpx2.AsyncHTTPTransport:
     """The backend's own transport for plain http on this machine, with room for every trajectory in flight."""
-    return http_transport(httpx.Limits(max_connections=4096, keepalive_expiry=60), tls=False)
+    return http_transport(httpx2.Limits(max_connections=4096, keepalive_expiry=60), tls=False)
 
 
 def rss_bytes() -> int:
@@ -231,7 +231,7 @@ async def run_policy(
 ) -> dict[str, Any]:
     """One policy from a reset fleet for `duration_s`, a weight update every `update_every_s`. RSS per trajectory
     is this process's peak RSS during the run less `rss_baseline` (default: its RSS as the run starts)."""
-    async with httpx.AsyncClient(base_url=url, trust_env=False, timeout=60) as client:
+    async with httpx2.AsyncClient(base_url=url, trust_env=False, timeout=60) as client:
         (await client.post("/sim/reset", json={"weight_version": "v0"})).raise_for_status()
         (await client.post("/stats/reset")).raise_for_status()
     servers = [SGLangBackend(f"{url}/s/{i}", timeout=600.0, connect_timeout=120.0, transport=plain_http())
@@ -267,7 +267,7 @@ async def run_policy(
                 updated = time.monotonic()
         wall, cpu = time.monotonic() - started, time.process_time() - cpu_started
         tg.cancel_scope.cancel()
-    async with httpx.AsyncClient(base_url=url, trust_env=False, timeout=60) as client:
+    async with httpx2.AsyncClient(base_url=url, trust_env=False, timeout=60) as client:
         fleet = (await client.get("/stats")).raise_for_status().json()
     await backend.aclose()
     c = backend.counts

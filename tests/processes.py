@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import httpx
+import httpx2
 
 
 class ServerProcess:
@@ -39,12 +39,12 @@ class ServerProcess:
                 command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
             )
 
-    def _wait_ready(self, is_ready: Callable[[httpx.Client], bool], not_ready: str) -> None:
+    def _wait_ready(self, is_ready: Callable[[httpx2.Client], bool], not_ready: str) -> None:
         """Poll `is_ready` until it holds; the error names `not_ready` and the log's tail otherwise, the
         process stopped."""
         deadline = time.monotonic() + self.startup_timeout_s
         try:
-            with httpx.Client(timeout=5.0, trust_env=False) as client:
+            with httpx2.Client(timeout=5.0, trust_env=False) as client:
                 while time.monotonic() < deadline:
                     if self.process.poll() is not None:
                         code = self.process.returncode
@@ -52,7 +52,7 @@ class ServerProcess:
                     try:
                         if is_ready(client):
                             return
-                    except httpx.TransportError:
+                    except httpx2.TransportError:
                         pass
                     time.sleep(self.poll_s)  # polling a process that is starting: there is no event to wait on
             raise self.unavailable(f"{not_ready} after {self.startup_timeout_s:.0f} s:\n{self.log_tail()}")

@@ -26,7 +26,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import httpx
+import httpx2
 
 from tests.net import free_port
 from tests.processes import ServerProcess
@@ -89,7 +89,7 @@ class SGLangRouter(ServerProcess):
         self._wait_ready(self._is_ready, f"sglang-router at {self.url} not ready (workers {self.worker_urls})")
         return self
 
-    def _is_ready(self, client: httpx.Client) -> bool:
+    def _is_ready(self, client: httpx2.Client) -> bool:
         if not self.wait_for_workers:
             return client.get(f"{self.url}/liveness").status_code == 200
         response = client.get(f"{self.url}/readiness")
@@ -98,7 +98,7 @@ class SGLangRouter(ServerProcess):
     def add_worker(self, url: str) -> None:
         """POST /workers (the router queues the registration, 202) and wait, bounded, until it lists `url` healthy."""
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        with httpx.Client(timeout=5.0, trust_env=False) as client:
+        with httpx2.Client(timeout=5.0, trust_env=False) as client:
             client.post(f"{self.url}/workers", json={"url": url}).raise_for_status()
             while time.monotonic() < deadline:
                 workers = client.get(f"{self.url}/workers").json()["workers"]

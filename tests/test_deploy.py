@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import anyio
-import httpx
+import httpx2
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
@@ -123,7 +123,7 @@ async def scrape_a_run(tokenizer) -> str:
         config=config(metrics_port=0, drift_check_every=1),
     ) as engine:
         await engine.rollout(2)
-        async with httpx.AsyncClient() as client:
+        async with httpx2.AsyncClient() as client:
             response = await client.get(engine.exporter.url)
     response.raise_for_status()
     return response.text

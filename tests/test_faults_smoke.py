@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 
-import httpx
+import httpx2
 import pytest
 
 from benchmarks.faultproxy import FaultProxy, ProxyFaults
@@ -58,7 +58,7 @@ async def test_the_simulated_server_injects_server_errors_and_malformed_replies_
     prompt = [IM_START, 872, 198, 1000, IM_END, 198, IM_START, 77091, 198]
     params = SamplingParams(max_new_tokens=32, stop_token_ids=(IM_END,))
     with SimProcess(SimConfig(max_running=4, median_tokens=8.0, sigma=0.0)) as server:
-        async with SGLangBackend(server.url, timeout=30) as backend, httpx.AsyncClient(base_url=server.url) as http:
+        async with SGLangBackend(server.url, timeout=30) as backend, httpx2.AsyncClient(base_url=server.url) as http:
             (await http.post("/sim/faults", json={"error_rate": 1.0})).raise_for_status()
             with pytest.raises(BackendError) as raised:
                 await backend.generate(prompt, params)

@@ -6,7 +6,7 @@ import json
 import statistics
 
 import anyio
-import httpx
+import httpx2
 import pytest
 
 from benchmarks.longtail import POLICIES, run_benchmark, sim_server, sized, write_outputs
@@ -55,12 +55,12 @@ async def backend(server_url):
 
 
 async def _post(url: str, path: str, body: dict | None = None) -> None:
-    async with httpx.AsyncClient(base_url=url, trust_env=False) as client:
+    async with httpx2.AsyncClient(base_url=url, trust_env=False) as client:
         (await client.post(path, json=body or {})).raise_for_status()
 
 
 async def _stats(url: str) -> dict:
-    async with httpx.AsyncClient(base_url=url, trust_env=False) as client:
+    async with httpx2.AsyncClient(base_url=url, trust_env=False) as client:
         return (await client.get("/stats")).json()
 
 

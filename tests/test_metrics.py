@@ -7,7 +7,7 @@ import io
 import json
 
 import anyio
-import httpx
+import httpx2
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -95,7 +95,7 @@ async def test_the_exporter_serves_bounded_series_that_agree_with_the_run(encode
         config=config(metrics_port=0, retry=retry),
     ) as engine:
         groups = await engine.rollout(4)
-        async with httpx.AsyncClient() as client:
+        async with httpx2.AsyncClient() as client:
             reply = await client.get(engine.exporter.url)
     families = {f.name: f for f in text_string_to_metric_families(reply.text)}
     assert all(name.startswith("turnstile_") for name in families)

@@ -40,7 +40,7 @@ def reference_collapse(ids: list[int], pad: int) -> list[int]:
 
 
 def httpx_json(body: dict) -> bytes:
-    """What httpx's `json=` sends (httpx 0.28: compact separators, UTF-8, no NaN)."""
+    """What httpx2's `json=` sends (2.16: compact separators, UTF-8, no NaN), as httpx 0.28's did."""
     return json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import NoReturn
 
 import anyio
-import httpx
+import httpx2
 import pytest
 import yaml
 from prometheus_client.core import Metric
@@ -101,7 +101,7 @@ class PrometheusServer:
     async def __aenter__(self) -> PrometheusServer:
         self._log = self.log_path.open("wb")
         self.process = await anyio.open_process(self.command, stdout=self._log, stderr=subprocess.STDOUT)
-        self.client = httpx.AsyncClient(base_url=self.url, timeout=10)
+        self.client = httpx2.AsyncClient(base_url=self.url, timeout=10)
         return self
 
     async def __aexit__(self, *exc_info) -> None:

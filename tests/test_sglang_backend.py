@@ -4,7 +4,7 @@ backend behind a real sglang-router is tests/test_sglang_router.py."""
 from __future__ import annotations
 
 import anyio
-import httpx
+import httpx2
 import pytest
 
 from engine.backends.base import Backend, SamplingParams
@@ -500,7 +500,7 @@ async def test_abort_all_leaves_other_clients_requests_alone(server, backend):
     body = {"input_ids": [1], "sampling_params": {"max_new_tokens": 4}, "return_logprob": True, "rid": "other-1"}
 
     async def foreign() -> None:
-        async with httpx.AsyncClient(trust_env=False) as client:
+        async with httpx2.AsyncClient(trust_env=False) as client:
             theirs.append((await client.post(f"{server.url}/generate", json=body)).json())
 
     async def run() -> None:
@@ -719,9 +719,9 @@ async def test_a_kept_alive_connection_the_server_closed_is_found_closed_and_not
 
     listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
     port = listener.extra(anyio.abc.SocketAttribute.local_port)
-    transport = http_transport(httpx.Limits(max_connections=4), tls=False)
+    transport = http_transport(httpx2.Limits(max_connections=4), tls=False)
     with anyio.fail_after(10):
-        async with listener, anyio.create_task_group() as tg, httpx.AsyncClient(transport=transport) as client:
+        async with listener, anyio.create_task_group() as tg, httpx2.AsyncClient(transport=transport) as client:
             tg.start_soon(listener.serve, answer_once_then_close)
             assert (await client.get(f"http://127.0.0.1:{port}/health")).json() == {}
             [pooled] = transport._pool.connections

@@ -13,7 +13,7 @@ import re
 from types import SimpleNamespace
 
 import anyio
-import httpx
+import httpx2
 import pytest
 
 from bridge.convert import Sample
@@ -136,7 +136,7 @@ def test_generate_rollout_against_a_real_sglang_server(server):
             returned += [s for g in out.samples for s in g]
             assert out.metrics["multi_turn/turns/mean"] > 1
             # the trainer's weight update, as slime does it: straight to the server, not through the rollout
-            reply = httpx.post(
+            reply = httpx2.post(
                 f"{server.url}/update_weights_from_disk",
                 json={"model_path": str(server.model_path), "weight_version": f"v{step + 1}"},
                 timeout=120,

@@ -2,7 +2,7 @@
 the router, session affinity by routing key, control calls straight to each worker, and the CLI.
 
 The router forwards /generate without the client's User-Agent; the backend's own calls reach the doubles with
-httpx's, so `direct` tells what the backend sent a worker from what the router forwarded or polled itself.
+httpx2's, so `direct` tells what the backend sent a worker from what the router forwarded or polled itself.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import json
 import logging
 
 import anyio
-import httpx
+import httpx2
 import pytest
 
 from engine.backends.base import SamplingParams
@@ -124,7 +124,7 @@ async def test_abort_reaches_both_workers_and_leaves_other_clients_requests(doub
     results, done = {}, {"traj-a": anyio.Event(), "traj-b": anyio.Event()}
 
     async def foreign() -> None:  # another client of the same worker, not through this backend
-        async with httpx.AsyncClient(trust_env=False) as client:
+        async with httpx2.AsyncClient(trust_env=False) as client:
             results["other"] = (await client.post(f"{a.url}/generate", json=body)).json()
 
     async def ours(rid: str, session: str) -> None:

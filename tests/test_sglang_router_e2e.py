@@ -17,7 +17,7 @@ from collections import defaultdict
 from pathlib import Path
 from types import SimpleNamespace
 
-import httpx
+import httpx2
 import pytest
 
 from bridge.convert import Sample
@@ -62,13 +62,13 @@ def foreign_generation(url: str, out: dict) -> None:
         "text": "a long story:", "rid": "someone-else-0001", "return_logprob": False,
         "sampling_params": {"max_new_tokens": FOREIGN_TOKENS, "ignore_eos": True, "temperature": 1.0},
     }  # fmt: skip
-    out["reply"] = httpx.post(f"{url}/generate", json=body, timeout=600).json()
+    out["reply"] = httpx2.post(f"{url}/generate", json=body, timeout=600).json()
 
 
 def update_weights(workers, model_path: Path, version: str) -> None:
     """The trainer's weight update, as slime does it: to every engine, not through the router."""
     for worker in workers:
-        reply = httpx.post(
+        reply = httpx2.post(
             f"{worker.url}/update_weights_from_disk",
             json={"model_path": str(model_path), "weight_version": version},
             timeout=120,

@@ -7,7 +7,7 @@ import contextlib
 from collections.abc import AsyncIterator
 
 import anyio
-import httpx
+import httpx2
 import pytest
 from aiohttp import web
 
@@ -96,7 +96,7 @@ async def test_a_second_turn_on_the_same_server_is_cached_and_on_another_is_not(
             elsewhere = await one.generate(second_prompt, PARAMS)
             # one model for all servers: the same prefix sent again is its next sample, not a repeat
             assert elsewhere.cached_tokens == 0 and elsewhere.token_ids != again.token_ids
-        async with httpx.AsyncClient(base_url=url) as client:
+        async with httpx2.AsyncClient(base_url=url) as client:
             stats = (await client.get("/stats")).json()
     assert stats["servers"] == 2 and stats["num_requests"] == 3
     assert stats["cached_tokens"] == 208 and stats["prefill_tokens"] == 200 + (len(second_prompt) - 208) + len(
@@ -109,7 +109,7 @@ async def test_requests_wait_while_the_kv_cache_is_full_and_get_load_says_so():
     # room for 2 requests of 1,000-token prompts (and their 20 tokens) in 2,048 tokens: the third waits
     async with fleet(kv_tokens=2048, decode_a=0.01) as (sim, url):
         server = sim.servers[0]
-        async with SGLangBackend(f"{url}/s/0") as backend, httpx.AsyncClient(base_url=url) as client:
+        async with SGLangBackend(f"{url}/s/0") as backend, httpx2.AsyncClient(base_url=url) as client:
             results = {}
 
             async def run(i: int) -> None:
@@ -155,7 +155,7 @@ async def test_an_abort_returns_what_was_generated_and_a_weight_update_empties_t
             await backend.update_weights_from_disk("/sim/weights", weight_version="v1")
             fresh = await backend.generate(prompt(3, 64), params)
             assert fresh.cached_tokens == 0 and fresh.weight_version == "v1"
-        async with httpx.AsyncClient(base_url=url) as client:
+        async with httpx2.AsyncClient(base_url=url) as client:
             assert (await client.get("/s/2/get_load")).status_code == 404  # two servers: 0 and 1
 
 

@@ -37,7 +37,7 @@ from functools import partial
 from typing import Any, TypeVar
 
 import anyio
-import httpx
+import httpx2
 
 from engine.backends.base import GenerateResult, SamplingParams
 from engine.backends.fanout import agreed_version, combined_error, gather, log_failures
@@ -73,7 +73,7 @@ class SGLangBackend:
     connect. `headers` go with every request, to the router and its workers (an API key). Proxy settings from
     the environment are ignored: servers are addressed directly. `rid_prefix` starts every request id sent;
     `is_router` is None until found out. `json_strings` keeps each image payload's JSON (default: one cache shared
-    by all backends); `transport` replaces httpx's (an httpx.MockTransport in tests and benchmarks).
+    by all backends); `transport` replaces httpx2's (an httpx2.MockTransport in tests and benchmarks).
 
     A request body is built off the event loop when it is large (images or a long prompt; see
     engine/backends/sglang_format.py) and sent as bytes.
@@ -89,21 +89,21 @@ class SGLangBackend:
         headers: dict[str, str] | None = None,
         image_token_id: int | None = None,
         json_strings: JSONStrings | None = None,
-        transport: httpx.AsyncBaseTransport | None = None,
+        transport: httpx2.AsyncBaseTransport | None = None,
     ):
         self.url = url.rstrip("/")
         self.image_token_id = image_token_id
         self.rid_prefix = f"turnstile-{uuid.uuid4().hex[:8]}-"
         self.is_router: bool | None = None
         self._json_strings = SHARED_JSON_STRINGS if json_strings is None else json_strings
-        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
-        self._client = httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout, connect=connect_timeout),
+        limits = httpx2.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        self._client = httpx2.AsyncClient(
+            timeout=httpx2.Timeout(timeout, connect=connect_timeout),
             headers=headers,
             trust_env=False,
             transport=transport or http_transport(limits, tls=self.url.startswith("https:")),
         )
-        self._health_timeout = httpx.Timeout(min(timeout, HEALTH_TIMEOUT_S), connect=connect_timeout)
+        self._health_timeout = httpx2.Timeout(min(timeout, HEALTH_TIMEOUT_S), connect=connect_timeout)
         self._server = HTTPServer(self._client, self.url, f"SGLang server at {self.url}")
         self._workers: dict[str, HTTPServer] = {}
         self._serial = itertools.count()

@@ -6,7 +6,7 @@ parts: the ids and sampling parameters are serialised by orjson each turn, each 
 string once (`JSONStrings`), and the parts joined. A large body (THREAD_MIN_BYTES) is built in a worker
 thread, where the join's copy runs without the GIL (`bytes.join` drops it from 1 MiB on); orjson holds
 the GIL wherever it runs, which is why a payload is serialised once rather than in a thread every turn.
-The body is the JSON httpx's `json=` sent (`{"input_ids", "sampling_params", "return_logprob", "rid"[,
+The body is the JSON httpx2's `json=` sends (`{"input_ids", "sampling_params", "return_logprob", "rid"[,
 "image_data"]}`, compact, UTF-8), byte for byte but for the spelling of some floats (1e-05 as 0.00001).
 """
 

@@ -9,45 +9,46 @@ import select
 import socket
 from typing import Any
 
-import httpcore
-import httpx
+import httpcore2
+import httpx2
 
 from engine.errors import BackendError, ErrorClass
 
 EXCERPT_CHARS = 300
 
 
-def http_transport(limits: httpx.Limits, *, tls: bool = True) -> httpx.AsyncHTTPTransport:
-    """httpx's transport, whose connections answer "is this idle socket readable?" with one poll. `tls`:
+def http_transport(limits: httpx2.Limits, *, tls: bool = True) -> httpx2.AsyncHTTPTransport:
+    """httpx2's transport, whose connections answer "is this idle socket readable?" with one poll. `tls`:
     False for a client of plain-http URLs only, which then loads no CA bundle (0.1 s a client).
 
-    httpcore's pool asks that of every idle connection on every request it starts and every reply it ends,
-    and anyio's stream builds all of its socket's attributes (a getpeername call included) to answer it: with
-    one client per server and dozens of connections each, that check was a quarter of the engine loop's time
-    in benchmarks/scale.py."""
-    transport = httpx.AsyncHTTPTransport(limits=limits, trust_env=False, verify=tls)
-    transport._pool._network_backend = _PollingBackend()  # noqa: SLF001 -- httpx takes no network backend
+    httpx2, not httpx: httpx's pool (httpcore 1.0) rescanned every connection for each idle one on every
+    request it started and every reply it ended, a third of the engine loop's time in benchmarks.longtail
+    --size large; httpcore2's makes one pass. Each pass still asks every idle connection whether its socket
+    is readable, and anyio's stream builds all of its attributes to answer (a getpeername call included):
+    with one client per server, that was an eighth of the loop's time in benchmarks.scale's saturation run."""
+    transport = httpx2.AsyncHTTPTransport(limits=limits, trust_env=False, verify=tls)
+    transport._pool._network_backend = _PollingBackend()  # noqa: SLF001 -- httpx2 takes no network backend
     return transport
 
 
-class _PollingBackend(httpcore.AsyncNetworkBackend):
-    """httpcore's anyio backend, with streams that keep their raw socket."""
+class _PollingBackend(httpcore2.AsyncNetworkBackend):
+    """httpcore2's anyio backend, with streams that keep their raw socket."""
 
     def __init__(self) -> None:
-        self._backend = httpcore.AnyIOBackend()
+        self._backend = httpcore2.AnyIOBackend()
 
-    async def connect_tcp(self, *args: Any, **kw: Any) -> httpcore.AsyncNetworkStream:
+    async def connect_tcp(self, *args: Any, **kw: Any) -> httpcore2.AsyncNetworkStream:
         return _PollingStream(await self._backend.connect_tcp(*args, **kw))
 
-    async def connect_unix_socket(self, *args: Any, **kw: Any) -> httpcore.AsyncNetworkStream:
+    async def connect_unix_socket(self, *args: Any, **kw: Any) -> httpcore2.AsyncNetworkStream:
         return _PollingStream(await self._backend.connect_unix_socket(*args, **kw))
 
     async def sleep(self, seconds: float) -> None:
         await self._backend.sleep(seconds)
 
 
-class _PollingStream(httpcore.AsyncNetworkStream):
-    def __init__(self, stream: httpcore.AsyncNetworkStream):
+class _PollingStream(httpcore2.AsyncNetworkStream):
+    def __init__(self, stream: httpcore2.AsyncNetworkStream):
         self._stream = stream
         self._socket: socket.socket | None = stream.get_extra_info("socket")
 
@@ -60,7 +61,7 @@ class _PollingStream(httpcore.AsyncNetworkStream):
     async def aclose(self) -> None:
         await self._stream.aclose()
 
-    async def start_tls(self, *args: Any, **kw: Any) -> httpcore.AsyncNetworkStream:
+    async def start_tls(self, *args: Any, **kw: Any) -> httpcore2.AsyncNetworkStream:
         return _PollingStream(await self._stream.start_tls(*args, **kw))
 
     def get_extra_info(self, info: str) -> Any:
@@ -83,7 +84,7 @@ def excerpt(text: str) -> str:
 class HTTPServer:
     """`url` through `client` (shared with other servers); `name` ("SGLang server at ...") opens every error."""
 
-    def __init__(self, client: httpx.AsyncClient, url: str, name: str):
+    def __init__(self, client: httpx2.AsyncClient, url: str, name: str):
         self.client, self.url, self.name = client, url.rstrip("/"), name
 
     def __repr__(self) -> str:
@@ -95,39 +96,39 @@ class HTTPServer:
             message += f"; reply: {excerpt(body) or '(empty)'}"
         return BackendError(error_class, message)
 
-    async def send(self, method: str, endpoint: str, body: dict[str, Any] | None = None, **kw: Any) -> httpx.Response:
+    async def send(self, method: str, endpoint: str, body: dict[str, Any] | None = None, **kw: Any) -> httpx2.Response:
         """Send one request; a failure to get a reply at all raises TIMEOUT, CONNECTION, CLIENT or MALFORMED."""
         where = f"{method} {endpoint}"
         try:
             return await self.client.request(method, self.url + endpoint, json=body, **kw)
-        except httpx.TimeoutException as exc:
+        except httpx2.TimeoutException as exc:
             raise self.error(ErrorClass.TIMEOUT, where, f"no reply in time ({type(exc).__name__})") from exc
-        except (httpx.UnsupportedProtocol, httpx.LocalProtocolError) as exc:
+        except (httpx2.UnsupportedProtocol, httpx2.LocalProtocolError) as exc:
             raise self.error(ErrorClass.CLIENT, where, f"cannot send the request: {exc!r}") from exc
-        except httpx.DecodingError as exc:
+        except httpx2.DecodingError as exc:
             raise self.error(ErrorClass.MALFORMED, where, f"the reply could not be decoded: {exc!r}") from exc
-        except httpx.RequestError as exc:
+        except httpx2.RequestError as exc:
             detail = f"{type(exc).__name__}: {exc}" if str(exc) else f"{type(exc).__name__} (connection closed)"
             raise BackendError(ErrorClass.CONNECTION, f"{self.name} is unreachable: {where}: {detail}") from exc
 
-    def status_error(self, where: str, response: httpx.Response) -> BackendError:
+    def status_error(self, where: str, response: httpx2.Response) -> BackendError:
         error_class = ErrorClass.SERVER if response.status_code >= 500 else ErrorClass.CLIENT
         return self.error(error_class, where, f"HTTP {response.status_code}", response.text)
 
-    def json(self, where: str, response: httpx.Response) -> Any:
+    def json(self, where: str, response: httpx2.Response) -> Any:
         try:
             return response.json()
         except ValueError as exc:
             raise self.error(ErrorClass.MALFORMED, where, "the reply is not JSON", response.text) from exc
 
-    async def call(self, method: str, endpoint: str, body: dict[str, Any] | None = None) -> httpx.Response:
+    async def call(self, method: str, endpoint: str, body: dict[str, Any] | None = None) -> httpx2.Response:
         """Send one request and raise on any non-2xx status."""
         response = await self.send(method, endpoint, body)
         if not response.is_success:
             raise self.status_error(f"{method} {endpoint}", response)
         return response
 
-    async def health_status(self, timeout: httpx.Timeout) -> int | None:
+    async def health_status(self, timeout: httpx2.Timeout) -> int | None:
         """The HTTP status of GET /health, or None when the server cannot be reached."""
         try:
             return (await self.send("GET", "/health", timeout=timeout)).status_code

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 import anyio
-import httpx
+import httpx2
 from anyio.from_thread import BlockingPortal
 
 from engine.backends.base import SamplingParams
@@ -52,11 +52,11 @@ def auth_headers(settings: JudgeSettings) -> dict[str, str]:
     return {"authorization": f"Bearer {token}"}
 
 
-def http_client(settings: JudgeSettings) -> httpx.AsyncClient:
+def http_client(settings: JudgeSettings) -> httpx2.AsyncClient:
     """One connection pool for a judge. Proxy settings from the environment are ignored, as the backends do."""
-    return httpx.AsyncClient(
-        timeout=httpx.Timeout(settings.timeout_s, connect=min(settings.timeout_s, 10.0)),
-        limits=httpx.Limits(max_connections=4 * settings.max_concurrent_batches),
+    return httpx2.AsyncClient(
+        timeout=httpx2.Timeout(settings.timeout_s, connect=min(settings.timeout_s, 10.0)),
+        limits=httpx2.Limits(max_connections=4 * settings.max_concurrent_batches),
         headers=auth_headers(settings),
         trust_env=False,
     )
@@ -67,7 +67,7 @@ class SGLangTransport:
 
     is_batched = True
 
-    def __init__(self, settings: JudgeSettings, client: httpx.AsyncClient, tokenizer: Any = None):
+    def __init__(self, settings: JudgeSettings, client: httpx2.AsyncClient, tokenizer: Any = None):
         self.name = f"judge at {settings.url}"
         self.settings, self.client, self.tokenizer = settings, client, tokenizer
         self._server = HTTPServer(client, settings.url or "", self.name)
@@ -107,7 +107,7 @@ class OpenAITransport:
 
     is_batched = False
 
-    def __init__(self, settings: JudgeSettings, client: httpx.AsyncClient):
+    def __init__(self, settings: JudgeSettings, client: httpx2.AsyncClient):
         self.name = f"judge at {settings.url}"
         self.settings, self.client = settings, client
         self._server = HTTPServer(client, settings.url or "", self.name)
