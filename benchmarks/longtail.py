@@ -99,16 +99,18 @@ NOTES = [
 @dataclass(frozen=True)
 class Size:
     """A benchmark configuration. Each rollout step asks for `target_groups` groups of `n_samples`
-    (twice the server's cap on running requests in `large`). Over-sampling trades utilization against
-    staleness: at 2.0 more groups straddle two weight updates, and the members that finished early
-    wait for their stragglers, so more trained tokens are two versions old (the engine bounds
-    staleness for trajectories that resume, not for finished members of an open group); "oldest"
-    serves the trajectories admitted first, which bounds that tail."""
+    (twice the server's cap on running requests in `large`). Over-sampling and refill trade
+    utilization against staleness: more groups in flight straddle two weight updates more often, and
+    the members that finished early wait for their stragglers, so more tokens are two versions old by
+    the time their group returns (restarted, or trained two versions stale, as `max_staleness` says);
+    "oldest" serves the trajectories admitted first, which bounds that tail."""
 
     target_groups: int
     num_steps: int
     n_samples: int = 8
     over_sampling: float = 1.75  # Turnstile with partial rollout keeps target x this many groups in flight
+    refill: float = 0.0  # and starts up to target x this many more in a step's tail (EngineConfig.refill)
+    max_staleness: int = 1  # weight versions a token may lag when its trajectory resumes or returns
     scheduling: str = "oldest"  # Turnstile's priority policy: fifo | group_completion | oldest
     max_env_steps: int = 64
     max_new_tokens: int = 1024  # per turn
@@ -128,7 +130,8 @@ SIZES = {
         max_tokens=4096,
         server=SimConfig(max_running=16, median_tokens=20.0, max_turn_tokens=200),
     ),
-    "large": Size(target_groups=16, num_steps=10, server=SimConfig(max_running=64)),
+    # refill 0.15: 3 groups more in a step's tail; they straddle two updates more often, so the bound is 2
+    "large": Size(target_groups=16, num_steps=10, refill=0.15, max_staleness=2, server=SimConfig(max_running=64)),
 }
 
 
@@ -208,7 +211,8 @@ async def run_benchmark(
                     limits=TurnLimits(max_turns=workload.max_turns, max_tokens=size.max_tokens),
                     n_samples=size.n_samples, num_steps=size.num_steps, target_groups=size.target_groups,
                     concurrency=size.server.max_running, max_env_steps=size.max_env_steps,
-                    over_sampling=size.over_sampling, scheduling=size.scheduling, server_url=url,
+                    over_sampling=size.over_sampling, refill=size.refill, max_staleness=size.max_staleness,
+                    scheduling=size.scheduling, server_url=url,
                 )  # fmt: skip
                 results, timelines = {}, {}
                 for policy in policies:
@@ -263,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
         "--scheduling", choices=["fifo", "group_completion", "oldest"], help="Turnstile's priority policy"
     )
     parser.add_argument("--over-sampling", type=float, help="Turnstile's over-sampling with partial rollout")
+    parser.add_argument("--refill", type=float, help="Turnstile's refill of a step's tail with partial rollout")
+    parser.add_argument("--max-staleness", type=int, help="Turnstile's bound on a token's staleness")
     parser.add_argument("--steps", type=int, help="rollout steps per policy")
     parser.add_argument("--env", choices=["env_1ms", HEADLINE], help="run one workload only")
     parser.add_argument(
@@ -281,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
         for key, value in (
             ("scheduling", args.scheduling),
             ("over_sampling", args.over_sampling),
+            ("refill", args.refill),
+            ("max_staleness", args.max_staleness),
             ("num_steps", args.steps),
             ("reward_source", args.reward_source),
             ("reward_latency_s", args.reward_ms / 1000),

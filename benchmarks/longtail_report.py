@@ -37,7 +37,7 @@ def targets(policies: dict[str, Any]) -> list[tuple[str, bool]]:
     return [
         ("turn_partial trained tokens/s >= 2x slime_style", _ratio(policies, "turn_partial", "slime_style") >= 2.0),
         ("turn_partial trained tokens/s >= 1.3x turn", _ratio(policies, "turn_partial", "turn") >= 1.3),
-        ("turn_partial backend utilization >= 0.7", partial["backend_utilization"] >= 0.7),
+        ("turn_partial backend utilization >= 0.85", partial["backend_utilization"] >= 0.85),
         ("turn_partial: >= 95% of trained tokens at most 1 version stale", partial["stale_le1_fraction"] >= 0.95),
         ("turn_partial: < 5% of generated tokens discarded", partial["discarded_token_fraction"] < 0.05),
     ]

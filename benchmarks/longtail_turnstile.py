@@ -3,10 +3,11 @@
 Both drive the same `RolloutEngine` (engine/engine.py) with generation slots equal to the baseline's
 concurrency, the size's priority policy and the env's blocking `step` in worker threads (the
 engine's EnvRunner). With partial rollout a step keeps `target * over_sampling` groups in flight,
-returns once `target` are done, and keeps the rest paused, envs and all, for the next step;
-trajectories more than one weight version stale when they resume start again. With the reward from
-a reward function, it is the engine's `reward_fn`: each trajectory is scored as it ends, while the
-others generate, and its group is done once its last member is scored.
+returns once `target` are done (starting up to `target * refill` more in its tail, while fewer
+trajectories are live than the server's slots), and keeps the rest paused, envs and all, for the
+next step; trajectories more than `max_staleness` weight versions stale when they resume start
+again. With the reward from a reward function, it is the engine's `reward_fn`: each trajectory is
+scored as it ends, while the others generate, and its group is done once its last member is scored.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ def engine_config(setup: Setup, *, partial: bool) -> EngineConfig:
         policy=setup.scheduling,
         partial_rollout=partial,
         over_sampling=over_sampling,
-        max_staleness=1,
+        refill=setup.refill,
+        max_staleness=setup.max_staleness,
         on_stale="restart",
         limits=setup.limits,
         sampling=setup.sampling,

@@ -168,9 +168,12 @@ class RolloutService:
 
     def wanted(self, target: int) -> int:
         """How many new groups a step of `target` should be given: enough to keep
-        `target * over_sampling` in flight with partial rollout, `target` otherwise."""
-        factor = self.settings.over_sampling if self.settings.partial_rollout else 1.0
-        return max(0, math.ceil(target * factor) - self.num_held())
+        `target * over_sampling` in flight with partial rollout, and `target * refill` more for its tail to
+        start; `target` otherwise."""
+        if not self.settings.partial_rollout:
+            return max(0, target - self.num_held())
+        wanted = math.ceil(target * self.settings.over_sampling) + math.ceil(target * self.settings.refill)
+        return max(0, wanted - self.num_held())
 
     def queue(self, groups: list[tuple[int, list[Any]]]) -> None:
         """Queue groups (each with the step that first took it) for the next steps, without running one: a

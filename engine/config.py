@@ -167,6 +167,9 @@ class EngineConfig(BaseModel):
         float, Field(ge=1.0), Slime("`--over-sampling-batch-size` / `--rollout-batch-size`", fills=True)
     ] = 1.0
     """With partial rollout, groups kept in flight per group a step wants."""
+    refill: Annotated[float, Field(ge=0)] = 0.0
+    """With partial rollout, more groups a step may start, per group it wants, while fewer trajectories are
+    live than max_generating (the step's tail); they resume first next step. Raise max_staleness with it."""
     max_staleness: NonNegativeInt = 1
     """Weight versions a resumed trajectory's tokens may lag; past it, on_stale applies."""
     on_stale: Literal["restart", "finish"] = "restart"

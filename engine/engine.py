@@ -9,7 +9,8 @@
 Each prompt row becomes a group of `n_samples_per_prompt` trajectories, emitted once every member
 has ended, after an optional filter (dropped groups are counted by reason). With partial rollout a
 step keeps `target * over_sampling` groups in flight; once `target` are done it returns them and
-pauses the rest, which resume first in the next step with their envs and turn state.
+pauses the rest, which resume first in the next step with their envs and turn state. With `refill`,
+the step's tail (fewer trajectories live than generation slots) starts up to `target * refill` more.
 """
 
 from __future__ import annotations
@@ -205,8 +206,11 @@ class RolloutEngine:
         partial = self.config.partial_rollout
         goal = math.ceil(target_groups * self.config.over_sampling) if partial else target_groups
         self._wanted = target_groups
+        refilled = goal + math.ceil(target_groups * self.config.refill) if partial else goal
         while len(self._done) < target_groups:
             self._admit(goal)
+            if refilled > goal:  # the step's tail: start more groups while the servers could take more
+                self._admit(refilled, live=self.config.max_generating)
             if not self._open and self._exhausted:
                 break
             await self._wait_for_change()
@@ -297,11 +301,13 @@ class RolloutEngine:
         return [*self._done, *self._open.values()]
 
     # -- admission and groups ---------------------------------------------------------------------
-    def _admit(self, goal: int) -> None:
-        """Start groups until `goal` are open or done, within max_inflight; none while the breaker is open."""
+    def _admit(self, goal: int, *, live: int | None = None) -> None:
+        """Start groups until `goal` are open or done, within max_inflight (and, given `live`, while a group
+        more keeps the trajectories not yet ended within it); none while the breaker is open."""
         n = self.config.n_samples_per_prompt
+        most = max(self.config.max_inflight, n) if live is None else min(live, max(self.config.max_inflight, n))
         while len(self._open) + len(self._done) < goal and not self._exhausted:
-            if self.scheduler.breaker.is_open or self._num_inflight + n > max(self.config.max_inflight, n):
+            if self.scheduler.breaker.is_open or self._num_inflight + n > most:
                 return
             rows = self.source.take(1)
             if not rows:

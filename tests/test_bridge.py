@@ -223,6 +223,16 @@ def test_nothing_is_lost_across_ten_partial_rollout_steps():
     assert held == len(held_prompts) == status["groups_open"] + status["groups_done"] + status["prompts_queued"] > 0
 
 
+def test_a_step_with_refill_is_given_the_groups_its_tail_may_start():
+    """slime's data source is asked for target x over_sampling groups and target x refill more, less what is
+    held: the engine's refill takes its groups from what the step was given."""
+    service = RolloutService(partial_settings(refill=0.5), backend=DeterministicBackend(stop_every=40))
+    try:
+        assert service.wanted(3) == 6 + 2  # ceil(3 x 2.0) + ceil(3 x 0.5), nothing held yet
+    finally:
+        service.shutdown()
+
+
 def test_paused_trajectories_resume_with_their_env_and_carry_both_weight_versions():
     """Group 0 is mid-episode (its env blocked in its first step) when step 0 ends; the weights change
     while it is held; it finishes at a later step with its own env and tokens of both versions."""

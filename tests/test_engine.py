@@ -241,6 +241,77 @@ async def test_partial_rollout_pauses_the_rest_and_resumes_them_first(encoder):
     assert any("v0" in v and "v1" in v for v in resumed_versions)  # per-generation weight versions carried
 
 
+class HeldEnv(AsyncInteractionEnv):
+    """Done after one step; a step of a trajectory in `held` first says so (`entered`) and then waits for
+    `release`."""
+
+    def __init__(self, key, held: set, entered: dict, release: anyio.Event):
+        self.key, self.held, self.entered, self.release = key, held, entered, release
+
+    def reset(self):
+        return {}, {}
+
+    async def astep(self, response_text):
+        if self.key in self.held:
+            self.entered[self.key].set()
+            await self.release.wait()
+        return {"role": "user", "content": "ok"}, True, {"reward": 1.0}
+
+    def format_observation(self, observation):
+        return observation
+
+
+def held_envs(held: set):
+    entered, release = {key: anyio.Event() for key in held}, anyio.Event()
+
+    def build(sample):
+        return EnvRunner(HeldEnv((sample.group_index, sample.index), held, entered, release))
+
+    return build, entered, release
+
+
+@pytest.mark.anyio
+async def test_refill_starts_groups_in_the_step_tail_and_the_step_ends_without_its_straggler(encoder):
+    """Group 1's second member is held in its env: without refill the step could only wait for it. With
+    refill, the step's tail (two trajectories live, four generation slots) starts group 2, and the step
+    returns groups 0 and 2 while group 1 waits for the next step."""
+    build, _, release = held_envs({(1, 1)})
+    cfg = config(partial_rollout=True, refill=1.0, max_generating=4)
+    async with RolloutEngine(
+        backend=DeterministicBackend(stop_every=8), encoder=encoder, env_factory=build, source=rows(8), config=cfg
+    ) as engine:
+        with anyio.fail_after(20):
+            first = await engine.rollout(2)
+        assert sorted(g.group_id for g in first) == [0, 2] and not release.is_set()
+        assert engine.statistics().num_prompts_admitted == 3  # the step ended at once when group 2 was done
+        assert [g.group_id for g in engine.open_groups] == [1]
+        release.set()
+        with anyio.fail_after(20):
+            second = await engine.rollout(2)
+    assert 1 in {g.group_id for g in second}
+    for group in first + second:
+        check_group(group, 2)
+
+
+@pytest.mark.anyio
+async def test_refill_starts_at_most_target_times_refill_groups_more(encoder):
+    """Target 2 at refill 0.5: one group more than the step's two, however many slots are free."""
+    build, entered, release = held_envs({(1, 1), (2, 1)})
+    cfg = config(partial_rollout=True, refill=0.5, max_generating=64)
+    async with (
+        RolloutEngine(
+            backend=DeterministicBackend(stop_every=8), encoder=encoder, env_factory=build, source=rows(8), config=cfg
+        ) as engine,
+        anyio.create_task_group() as tasks,
+    ):
+        tasks.start_soon(engine.rollout, 2)
+        with anyio.fail_after(20):
+            await entered[(1, 1)].wait()
+            await entered[(2, 1)].wait()
+        assert engine.statistics().num_prompts_admitted == 3  # 2 + ceil(2 x 0.5), though 61 slots are free
+        release.set()
+
+
 @pytest.mark.anyio
 @pytest.mark.parametrize("on_stale", ["restart", "finish"])
 async def test_too_stale_trajectories_restart_or_finish(encoder, on_stale):
