@@ -15,7 +15,6 @@ Ray actor (`ray_actor` in the `turnstile:` settings; created on first use, attac
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections.abc import Awaitable
 from contextlib import closing, nullcontext
@@ -170,10 +169,7 @@ class RolloutService:
         """How many new groups a step of `target` should be given: enough to keep
         `target * over_sampling` in flight with partial rollout, and `target * refill` more for its tail to
         start; `target` otherwise."""
-        if not self.settings.partial_rollout:
-            return max(0, target - self.num_held())
-        wanted = math.ceil(target * self.settings.over_sampling) + math.ceil(target * self.settings.refill)
-        return max(0, wanted - self.num_held())
+        return max(0, self.settings.step_groups(target)[1] - self.num_held())
 
     def queue(self, groups: list[tuple[int, list[Any]]]) -> None:
         """Queue groups (each with the step that first took it) for the next steps, without running one: a

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from enum import Enum
@@ -232,6 +233,14 @@ class EngineConfig(BaseModel):
             return base
         kept = {name: getattr(base, name) for name in type(self).model_fields}
         return self.model_validate({**kept, **type(self)._unpack(dict(update))})
+
+    def step_groups(self, target: int) -> tuple[int, int]:
+        """Groups a step of `target` keeps in flight, and the most it may hold once its tail refills: with
+        partial rollout `target * over_sampling` and `target * refill` more; `target` and `target` otherwise."""
+        if not self.partial_rollout:
+            return target, target
+        goal = math.ceil(target * self.over_sampling)
+        return goal, goal + math.ceil(target * self.refill)
 
     @property
     def limits(self) -> TurnLimits:

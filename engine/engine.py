@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
@@ -204,9 +203,8 @@ class RolloutEngine:
         if self.scheduler.is_paused:
             await self.resume()
         partial = self.config.partial_rollout
-        goal = math.ceil(target_groups * self.config.over_sampling) if partial else target_groups
+        goal, refilled = self.config.step_groups(target_groups)
         self._wanted = target_groups
-        refilled = goal + math.ceil(target_groups * self.config.refill) if partial else goal
         while len(self._done) < target_groups:
             self._admit(goal)
             if refilled > goal:  # the step's tail: start more groups while the servers could take more
