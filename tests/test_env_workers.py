@@ -39,11 +39,23 @@ NAMESPACE = "turnstile-env-workers-test"
 GATE = "env-gate"
 WAIT_S = 60.0  # for every trajectory to reach the gate (workers start in a few seconds)
 ENV_SOURCE = f"""
+import itertools
 import os
+import threading
 
 import ray
 
 from engine.envs.base import BaseInteractionEnv
+
+_thread = threading.local()
+_thread_numbers = itertools.count()
+
+
+def thread_number():
+    \"\"\"A number for the thread this runs on, new for every thread the process starts.\"\"\"
+    if not hasattr(_thread, "number"):
+        _thread.number = next(_thread_numbers)
+    return _thread.number
 
 
 class WhereEnv(BaseInteractionEnv):
@@ -60,7 +72,8 @@ class WhereEnv(BaseInteractionEnv):
         if self.steps in self.gated:
             ray.get(ray.get_actor({GATE!r}).arrive.remote(self.key, os.getpid()))
         done = self.steps >= self.turns
-        return {{"obs_str": f"pid={{os.getpid()}} env={{id(self)}} step={{self.steps}}"}}, done, {{"reward": 1.0}}
+        text = f"pid={{os.getpid()}} env={{id(self)}} step={{self.steps}} thread={{thread_number()}}"
+        return {{"obs_str": text}}, done, {{"reward": 1.0}}
 
 
 def build_env(sample=None, args=None, **kw):
@@ -145,11 +158,17 @@ def config(**overrides) -> EngineConfig:
 
 def where(trajectory: Trajectory) -> list[tuple[int, int, int]]:
     """(pid, env identity, env step) of each turn the env answered with an observation."""
+    return [found[:3] for found in steps_of(trajectory)]
+
+
+def steps_of(trajectory: Trajectory) -> list[tuple[int, int, int, int]]:
+    """(pid, env identity, env step, thread number) of each turn the env answered with an observation."""
     found = []
     for turn in trajectory.turns:
         if turn.observation is not None:
             text = turn.observation["content"][-1]["text"]
-            found.append(tuple(int(x) for x in re.fullmatch(r"pid=(\d+) env=(\d+) step=(\d+)", text).groups()))
+            pattern = r"pid=(\d+) env=(\d+) step=(\d+) thread=(\d+)"
+            found.append(tuple(int(x) for x in re.fullmatch(pattern, text).groups()))
     return found
 
 
@@ -175,6 +194,18 @@ async def test_envs_run_in_the_workers_each_in_one_for_its_whole_trajectory(pool
         used.add(steps[0][0])
     assert used == workers  # new envs go to the least-loaded worker: both hold some
     assert pool.statistics().num_envs == (0, 0)  # every env closed in its worker as its trajectory ended
+
+
+@pytest.mark.anyio
+async def test_a_worker_keeps_its_threads_from_one_call_to_the_next(local_ray, env_path, encoder):
+    """A sync env's calls run in the worker's threads, kept across calls: a worker of capacity 1 steps every
+    env of every trajectory on one thread. (Run from each Ray call's own task, anyio would start a thread
+    for the call and end it with the call.)"""
+    with closing(EnvWorkerPool(EnvFactory(env_path), num_workers=1, capacity=1)) as single:
+        groups = await run_all(single, encoder, rows(3, turns=4), config())
+    steps = [step for g in groups for t in g.trajectories for step in steps_of(t)]
+    assert len(steps) == 3 * 2 * 3 and len({pid for pid, *_ in steps}) == 1
+    assert {thread for *_, thread in steps} == {steps[0][3]}, steps
 
 
 @pytest.mark.anyio

@@ -7,14 +7,15 @@
 Why: agentic envs are often CPU-bound Python (an interpreter, a parser, a judge). Stepped in threads
 of the rollout process they share one GIL with the engine's event loop, and every other trajectory's
 turn handling waits behind them. Each worker here is a process of its own holding many envs by key;
-it runs their calls on its own event loop (a sync env's calls in its threads, `capacity` at once), so
-many envs step concurrently per worker and the engine's loop stays free.
+it runs their calls on its own event loop (a sync env's calls in its threads, `capacity` at once, the same
+threads from call to call), so many envs step concurrently per worker and the engine's loop stays free.
 
 The engine sees no difference. The pool is called like an EnvFactory and gives each trajectory a
 `RemoteEnvRunner`, which has EnvRunner's interface (reset, step, message, close, replay_safe,
 is_busy, step_timeout), so the turn-level scheduling, retries and metrics are unchanged. The env is
-built by the module's `build_env`, in the least-loaded worker, when its trajectory first resets it,
-and stays in that worker for the whole trajectory, paused between rollout steps included.
+built by the module's `build_env`, in the least-loaded worker, when its trajectory first resets it (one
+call builds and resets), and stays in that worker for the whole trajectory, paused between rollout steps
+included.
 `format_observation` runs in the worker with the step: the step's reply carries the chat message.
 
 A worker that dies (killed, out of memory, its node lost) fails each call of the envs it held with
@@ -28,6 +29,7 @@ existing cluster ("auto", or its address), or, with no address, a running local 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import socket
@@ -37,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
+from anyio.abc import TaskGroup
 
 from engine.envs.base import EnvRunner, StepResult
 from engine.envs.deadlines import Deadlines
@@ -67,19 +70,25 @@ class EnvWorker:
         self.capacity = capacity
         self.envs: dict[str, tuple[EnvRunner, anyio.Lock]] = {}
         self._threads: anyio.CapacityLimiter | None = None  # made on the actor's event loop
+        self._host: asyncio.Task[None] | None = None  # the long-lived task every call runs under
+        self._ready: asyncio.Future[None] | None = None  # done once its task group is open
+        self._tasks: TaskGroup | None = None
 
     async def pid(self) -> int:
         return os.getpid()
 
-    async def build(self, key: str, sample: Any) -> Reply:
-        """Build the env of `key` for `sample` (in a thread: `build_env` may block); its name and replay_safe."""
+    async def start(self, key: str, sample: Any, step_timeout: float | None) -> Reply:
+        """Build the env of `key` for `sample` (in a thread: `build_env` may block) and reset it, in one call.
+        Its value is ((name, replay_safe), the reset's observation), the reset's error beside it where the
+        reset failed; where the build failed, no value and the build's error."""
         try:
-            runner = await anyio.to_thread.run_sync(self.factory, sample, limiter=self._limiter())
+            runner = await self._hosted(anyio.to_thread.run_sync, self.factory, sample, limiter=self._limiter())
         except EnvError as exc:
             return Reply(error=_as_data(exc))
         runner.limiter = self._limiter()
         self.envs[key] = (runner, anyio.Lock())
-        return Reply((runner.name, runner.replay_safe))
+        reset = await self.reset(key, step_timeout)
+        return Reply(((runner.name, runner.replay_safe), reset.value), reset.error, reset.is_busy)
 
     async def reset(self, key: str, step_timeout: float | None) -> Reply:
         return await self._call(key, step_timeout, lambda runner: runner.reset())
@@ -94,12 +103,7 @@ class EnvWorker:
         if held is None:
             return Reply()
         runner, lock = held
-        async with lock:
-            try:
-                await runner.close()
-            except EnvError as exc:
-                return Reply(error=_as_data(exc))
-        return Reply()
+        return await self._hosted(_locked, lock, runner, lambda runner: runner.close())
 
     async def _call(self, key: str, step_timeout: float | None, call: Callable[[EnvRunner], Awaitable[Any]]) -> Reply:
         held = self.envs.get(key)
@@ -107,17 +111,59 @@ class EnvWorker:
             return Reply(error=(str(ErrorClass.ENV_EXCEPTION), f"env worker {os.getpid()} holds no env {key}"))
         runner, lock = held
         runner.step_timeout = step_timeout
-        async with lock:
+        return await self._hosted(_locked, lock, runner, call)
+
+    async def _hosted(self, fn: Callable[..., Awaitable[Any]], *args: Any, **kwargs: Any) -> Any:
+        """`await fn(*args, **kwargs)`, run as a task of the worker's one long-lived task group.
+
+        anyio keeps a worker thread only as long as the root task of the tree that started it, and Ray
+        runs each call as a task of its own: a sync env call made in the call's task would start a thread
+        and end it with the call (a thread started and joined for every step). Under the long-lived task
+        the worker's threads are kept, `capacity` of them, from one call to the next. A Ray call that is
+        cancelled stops waiting; what it started (an env's lock held included) runs to its end."""
+        loop = asyncio.get_running_loop()
+        if self._host is None:
+            self._ready = loop.create_future()
+            self._host = loop.create_task(self._serve())
+        if not self._ready.done():
+            await self._ready
+        done: asyncio.Future[Any] = loop.create_future()
+
+        async def run() -> None:
             try:
-                value = await call(runner)
-            except EnvError as exc:
-                return Reply(error=_as_data(exc), is_busy=runner.is_busy)
-        return Reply(value, is_busy=runner.is_busy)
+                result = await fn(*args, **kwargs)
+            except asyncio.CancelledError:  # the worker is shutting down
+                done.cancel()
+                raise
+            except BaseException as exc:  # noqa: BLE001 -- the caller's to raise, never the task group's
+                if not done.done():
+                    done.set_exception(exc)
+            else:
+                if not done.done():
+                    done.set_result(result)
+
+        self._tasks.start_soon(run)
+        return await done
+
+    async def _serve(self) -> None:
+        async with anyio.create_task_group() as self._tasks:
+            self._ready.set_result(None)
+            await anyio.sleep_forever()
 
     def _limiter(self) -> anyio.CapacityLimiter:
         if self._threads is None:
             self._threads = anyio.CapacityLimiter(self.capacity)
         return self._threads
+
+
+async def _locked(lock: anyio.Lock, runner: EnvRunner, call: Callable[[EnvRunner], Awaitable[Any]]) -> Reply:
+    """`call(runner)` holding the env's lock (so calls of one env never overlap), as a Reply."""
+    async with lock:
+        try:
+            value = await call(runner)
+        except EnvError as exc:
+            return Reply(error=_as_data(exc), is_busy=runner.is_busy)
+    return Reply(value, is_busy=runner.is_busy)
 
 
 async def _step_and_format(runner: EnvRunner, response_text: str) -> tuple[Any, ...]:
@@ -239,9 +285,11 @@ class RemoteEnvRunner:
         return self._is_busy
 
     async def reset(self) -> dict[str, Any]:
+        """Reset the env; its first reset also builds it, in the least-loaded worker, in the same call."""
         if self.worker is None:
-            await self._build()
-        observation = await self._call("reset", self.step_timeout)
+            observation = await self._start()
+        else:
+            observation = await self._call("reset", self.step_timeout)
         return observation if isinstance(observation, dict) else {}
 
     async def step(self, response_text: str) -> StepResult:
@@ -269,19 +317,33 @@ class RemoteEnvRunner:
             with anyio.move_on_after(timeout, shield=True):
                 await self._call("close", worker=worker)
 
-    async def _build(self) -> None:
+    async def _start(self) -> Any:
+        """Build the env in a worker and reset it (one call); the reset's observation."""
         worker = self.pool.place()
         try:
-            self.name, self._replay_safe = await self._call("build", self.sample, worker=worker)
+            reply = await self._send("start", self.sample, self.step_timeout, worker=worker)
+            if reply.value is None:  # not built
+                _raise(reply)
         except BaseException:
             self.pool.released(worker)
             raise
+        (self.name, self._replay_safe), observation = reply.value
         self.worker = worker
+        _raise(reply)
+        return observation
 
     async def _call(self, method: str, *args: Any, worker: _Worker | None = None) -> Any:
         """`method` of this env's worker; the reply's value, or its error raised as an EnvError."""
+        reply = await self._send(method, *args, worker=worker)
+        _raise(reply)
+        return reply.value
+
+    async def _send(self, method: str, *args: Any, worker: _Worker | None = None) -> Reply:
+        """`method` of this env's worker (its own, unless given), and the worker's reply. Raises EnvError
+        where the reply did not come: ENV_WORKER_LOST, ENV_TIMEOUT, or ENV_EXCEPTION where Ray could not
+        carry the call. Building (`start`) and `close` are not bounded here; the worker bounds the reset."""
         worker = worker or self.worker
-        unbounded = method in ("build", "close") or self.step_timeout is None
+        unbounded = method in ("start", "close") or self.step_timeout is None
         bound = None if unbounded else self.step_timeout + WORKER_GRACE_S
         timeout = anyio.CancelScope() if bound is None else self._bound(bound)
         try:
@@ -300,12 +362,16 @@ class RemoteEnvRunner:
             self._is_busy = True
             raise EnvError(ErrorClass.ENV_TIMEOUT, f"env {self.name}.{method}: its worker gave no answer in {bound}s")
         self._is_busy = reply.is_busy
-        if reply.error is not None:
-            raise EnvError(ErrorClass(reply.error[0]), reply.error[1])
-        return reply.value
+        return reply
 
     def _bound(self, seconds: float) -> Any:
         return self.deadlines.after(seconds) if self.deadlines is not None else anyio.move_on_after(seconds)
+
+
+def _raise(reply: Reply) -> None:
+    """Raise the env's error a reply carries, as the EnvError it was in the worker."""
+    if reply.error is not None:
+        raise EnvError(ErrorClass(reply.error[0]), reply.error[1])
 
 
 def _as_data(exc: EnvError) -> tuple[str, str]:
