@@ -360,3 +360,17 @@ def test_the_env_workers_benchmark_reports_both_modes(local_ray, tmp_path):
     assert set(report["targets"]) == {
         "ray_p99_lag_under_20ms", "threads_p99_lag_over_100ms", "ray_turns_per_s_at_least_1.5x"
     }  # fmt: skip
+
+
+def test_the_ray_call_benchmark_reports_every_mode(local_ray, tmp_path):
+    """benchmarks/ray_call.py at a tiny size: each mode answers every call and reports its CPU per call."""
+    import json
+
+    from benchmarks.ray_call import MODES, main
+
+    main(["--out", str(tmp_path / "ray_call.json"), "--calls", "8", "--concurrency", "2", "--step-ms", "5"])
+    report = json.loads((tmp_path / "ray_call.json").read_text())
+    assert set(report["modes"]) == set(MODES)
+    for mode, entry in report["modes"].items():
+        assert entry["calls"] == (160 if mode == "async_noop" else 8) and entry["calls_per_s"] > 0, entry
+        assert entry["caller_cpu_ms_per_call"] > 0 and entry["actor_cpu_ms_per_call"] >= 0, entry
