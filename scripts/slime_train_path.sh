@@ -11,7 +11,7 @@ slime=${1:?usage: scripts/slime_train_path.sh /path/to/slime-checkout [--slime-c
 shift
 repo=$(cd "$(dirname "$0")/.." && pwd)
 python="$repo/.venv/bin/python"
-"$python" -c "import pybase64, omegaconf, pylatexenc, aiohttp, PIL, sympy, pyarrow" 2>/dev/null \
-  || "$python" -m pip install -qq pybase64 omegaconf pylatexenc aiohttp pillow sympy pyarrow
+"$python" -c "import pybase64, omegaconf, pylatexenc, aiohttp, PIL, sympy, pyarrow, httpx, h2" 2>/dev/null \
+  || "$python" -m pip install -qq pybase64 omegaconf pylatexenc aiohttp pillow sympy pyarrow 'httpx[http2]'
 cd "$repo"
 exec "$python" -m scripts.slime_train_path "$slime" "$@"
