@@ -59,11 +59,14 @@ def thread_number():
 
 
 class WhereEnv(BaseInteractionEnv):
-    def __init__(self, key, turns, gated, replay_safe):
+    def __init__(self, key, turns, gated, replay_safe, reset_fails):
         self.key, self.turns, self.gated, self.replay_safe = key, turns, gated, replay_safe
+        self.reset_fails = reset_fails
         self.steps = 0
 
     def reset(self):
+        if self.reset_fails:
+            raise OSError("the sandbox did not come up")
         self.steps = 0
         return {{}}, {{}}
 
@@ -81,7 +84,8 @@ def build_env(sample=None, args=None, **kw):
     if meta.get("refuse"):
         raise KeyError("no sandbox for this task")
     key = (sample.group_index, sample.index)
-    return WhereEnv(key, meta.get("turns", 3), set(meta.get("gated", ())), bool(meta.get("replay_safe")))
+    gated, replay_safe = set(meta.get("gated", ())), bool(meta.get("replay_safe"))
+    return WhereEnv(key, meta.get("turns", 3), gated, replay_safe, bool(meta.get("reset_fails")))
 """
 RETRY = RetryPolicy(backoff_base_s=0.0, per_turn={**DEFAULT_PER_TURN, ErrorClass.ENV_WORKER_LOST: 2})
 
@@ -294,6 +298,19 @@ async def test_a_build_env_that_raises_in_a_worker_fails_its_trajectory_only(poo
     for trajectory in groups[1].trajectories:
         assert trajectory.status is Status.FAILED and trajectory.errors[-1].error_class is ErrorClass.ENV_EXCEPTION
         assert "build_env raised KeyError('no sandbox for this task')" in trajectory.errors[-1].message
+
+
+@pytest.mark.anyio
+async def test_a_first_reset_that_raises_fails_its_trajectory_and_its_env_is_closed_in_the_worker(pool, encoder):
+    """The first reset runs in the call that builds the env: where the build succeeds and the reset raises,
+    the trajectory fails with the reset's error, and the env, built, is closed in its worker all the same."""
+    source = [*rows(1, turns=2), *rows(1, reset_fails=True)]
+    groups = sorted(await run_all(pool, encoder, source, config()), key=lambda g: g.group_id)
+    assert {t.status for t in groups[0].trajectories} == {Status.COMPLETED}
+    for trajectory in groups[1].trajectories:
+        assert trajectory.status is Status.FAILED and trajectory.errors[-1].error_class is ErrorClass.ENV_EXCEPTION
+        assert "WhereEnv.reset raised OSError('the sandbox did not come up')" in trajectory.errors[-1].message
+    assert pool.statistics().num_envs == (0, 0)  # every env built was closed, the failed ones too
 
 
 def test_no_env_workers_keeps_the_envs_in_process_and_bad_pool_sizes_are_refused(env_path):
