@@ -161,6 +161,17 @@ def test_format_observation_order(tmp_path):
 # -- EnvRunner -------------------------------------------------------------------------------------
 
 
+class HandFiredTimeouts:
+    """An EnvRunner's `deadlines` whose timeouts the test fires: each call's scope, to cancel when it likes."""
+
+    def __init__(self):
+        self.scopes: list[anyio.CancelScope] = []
+
+    def after(self, seconds: float) -> anyio.CancelScope:
+        self.scopes.append(scope := anyio.CancelScope())
+        return scope
+
+
 class BlockingEnv:
     """A sync step that waits on an event someone else sets."""
 
@@ -213,11 +224,20 @@ async def test_step_past_timeout_is_env_timeout():
 
 @pytest.mark.anyio
 async def test_a_runner_whose_timed_out_step_still_runs_refuses_to_call_the_env_again():
-    env = BlockingEnv()
-    runner = EnvRunner(env, step_timeout=0.05)
-    try:
-        with pytest.raises(EnvError):
+    env, timeouts = BlockingEnv(), HandFiredTimeouts()
+    runner = EnvRunner(env, step_timeout=30.0)
+    runner.deadlines = timeouts
+
+    async def times_out() -> None:
+        with pytest.raises(EnvError, match="timed out"):
             await runner.step("x")
+
+    try:
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(times_out)
+                await anyio.to_thread.run_sync(env.started.wait, 10)  # the step runs in its thread
+                timeouts.scopes[-1].cancel()  # and its time is up
         assert runner.is_busy  # the abandoned thread is still touching the env
         first_thread = env.step_thread
         with pytest.raises(EnvError, match="an earlier call that timed out is still running") as caught:
