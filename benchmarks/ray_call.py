@@ -29,17 +29,18 @@ import anyio
 
 from benchmarks import emit
 from benchmarks.env_workers import burn, process_cpu_s
+from engine.envs.ray_workers import TaskHost
 
 MODES = ("async_noop", "async_cpu_thread", "async_cpu_inline", "threaded_cpu")
 
 
 class AsyncActor:
-    """An async actor: its calls run on its event loop; `cpu_thread` hops to a thread it keeps."""
+    """An async actor: its calls run on its event loop; `cpu_thread` hops to a thread it keeps, as EnvWorker."""
 
     def __init__(self, step_s: float):
         self.step_s = step_s
-        self._tasks: Any = None
-        self._ready: asyncio.Event | None = None
+        self._hosted = TaskHost().run  # as an env worker runs its calls
+        self._limiter: anyio.CapacityLimiter | None = None
 
     async def pid(self) -> int:
         return os.getpid()
@@ -52,24 +53,9 @@ class AsyncActor:
         return None, None, False
 
     async def cpu_thread(self, key: str, text: str) -> tuple[Any, ...]:
-        if self._ready is None:
-            self._ready = asyncio.Event()
-            self._host = asyncio.get_running_loop().create_task(self._serve())
-        await self._ready.wait()
-        done = asyncio.get_running_loop().create_future()
-
-        async def run() -> None:
-            done.set_result(await anyio.to_thread.run_sync(burn, self.step_s, limiter=self._limiter))
-
-        self._tasks.start_soon(run)
-        await done
+        self._limiter = self._limiter or anyio.CapacityLimiter(1)  # made on the actor's event loop
+        await self._hosted(anyio.to_thread.run_sync, burn, self.step_s, limiter=self._limiter)
         return None, None, False
-
-    async def _serve(self) -> None:
-        self._limiter = anyio.CapacityLimiter(1)
-        async with anyio.create_task_group() as self._tasks:
-            self._ready.set()
-            await anyio.sleep_forever()
 
 
 class ThreadedActor:

@@ -70,9 +70,7 @@ class EnvWorker:
         self.capacity = capacity
         self.envs: dict[str, tuple[EnvRunner, anyio.Lock]] = {}
         self._threads: anyio.CapacityLimiter | None = None  # made on the actor's event loop
-        self._host: asyncio.Task[None] | None = None  # the long-lived task every call runs under
-        self._ready: asyncio.Future[None] | None = None  # done once its task group is open
-        self._tasks: TaskGroup | None = None
+        self._hosted = TaskHost().run  # every call's env work runs under one long-lived task
 
     async def pid(self) -> int:
         return os.getpid()
@@ -113,14 +111,28 @@ class EnvWorker:
         runner.step_timeout = step_timeout
         return await self._hosted(_locked, lock, runner, call)
 
-    async def _hosted(self, fn: Callable[..., Awaitable[Any]], *args: Any, **kwargs: Any) -> Any:
-        """`await fn(*args, **kwargs)`, run as a task of the worker's one long-lived task group.
+    def _limiter(self) -> anyio.CapacityLimiter:
+        if self._threads is None:
+            self._threads = anyio.CapacityLimiter(self.capacity)
+        return self._threads
 
-        anyio keeps a worker thread only as long as the root task of the tree that started it, and Ray
-        runs each call as a task of its own: a sync env call made in the call's task would start a thread
-        and end it with the call (a thread started and joined for every step). Under the long-lived task
-        the worker's threads are kept, `capacity` of them, from one call to the next. A Ray call that is
-        cancelled stops waiting; what it started (an env's lock held included) runs to its end."""
+
+class TaskHost:
+    """Runs coroutines as tasks of one long-lived task group, opened on the running loop at first use.
+
+    anyio keeps a worker thread only as long as the root task of the tree that started it, and Ray
+    runs each actor call as a task of its own: a sync env call made in the call's task would start a
+    thread and end it with the call (a thread started and joined for every step). Run under the host's
+    task, the threads are kept from one call to the next. A caller that is cancelled stops waiting;
+    what it started (an env's lock held included) runs to its end."""
+
+    def __init__(self) -> None:
+        self._host: asyncio.Task[None] | None = None  # the long-lived task
+        self._ready: asyncio.Future[None] | None = None  # done once its task group is open
+        self._tasks: TaskGroup | None = None
+
+    async def run(self, fn: Callable[..., Awaitable[Any]], *args: Any, **kwargs: Any) -> Any:
+        """`await fn(*args, **kwargs)`, as a task of the host's task group; its exception is the caller's."""
         loop = asyncio.get_running_loop()
         if self._host is None:
             self._ready = loop.create_future()
@@ -132,7 +144,7 @@ class EnvWorker:
         async def run() -> None:
             try:
                 result = await fn(*args, **kwargs)
-            except asyncio.CancelledError:  # the worker is shutting down
+            except asyncio.CancelledError:  # the host is shutting down
                 done.cancel()
                 raise
             except BaseException as exc:  # noqa: BLE001 -- the caller's to raise, never the task group's
@@ -149,11 +161,6 @@ class EnvWorker:
         async with anyio.create_task_group() as self._tasks:
             self._ready.set_result(None)
             await anyio.sleep_forever()
-
-    def _limiter(self) -> anyio.CapacityLimiter:
-        if self._threads is None:
-            self._threads = anyio.CapacityLimiter(self.capacity)
-        return self._threads
 
 
 async def _locked(lock: anyio.Lock, runner: EnvRunner, call: Callable[[EnvRunner], Awaitable[Any]]) -> Reply:
