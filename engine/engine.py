@@ -303,7 +303,9 @@ class RolloutEngine:
         """Start groups until `goal` are open or done, within max_inflight (and, given `live`, while a group
         more keeps the trajectories not yet ended within it); none while the breaker is open."""
         n = self.config.n_samples_per_prompt
-        most = max(self.config.max_inflight, n) if live is None else min(live, max(self.config.max_inflight, n))
+        most = max(self.config.max_inflight, n)
+        if live is not None:
+            most = min(live, most)
         while len(self._open) + len(self._done) < goal and not self._exhausted:
             if self.scheduler.breaker.is_open or self._num_inflight + n > most:
                 return
