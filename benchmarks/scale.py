@@ -1,6 +1,7 @@
 """Many servers, long conversations: three placement policies on the same workload, and where one engine stops.
 
     python -m benchmarks.scale --servers 64 --out DIR [--size full|shared|smoke] [--seconds 240] [--policies ...]
+        [--in-flight N] [--target-groups N] [--env-median-s S] [--no-saturation]
 
 One simulated fleet (benchmarks/simserver.py in its many-server mode, its own process: per server a KV capacity,
 a prefix cache, prefill paid for uncached tokens only) serves every policy in turn, each from a reset fleet. The
@@ -365,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--in-flight", type=int, help="trajectories in flight (default: the size's)")
     parser.add_argument("--seconds", type=float, help="seconds each policy runs (default: the size's)")
     parser.add_argument("--target-groups", type=int, help="groups a step returns (default: the size's)")
+    parser.add_argument("--env-median-s", type=float, help="median seconds of a tool call (default: the size's)")
     parser.add_argument(
         "--policies", nargs="+", choices=POLICIES, default=["affinity", "consistent_hash", "round_robin"]
     )
@@ -379,6 +381,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, value in overrides.items():
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if args.env_median_s is not None and args.env_median_s <= 0:
+        parser.error(f"--env-median-s must be above 0, got {args.env_median_s}")
+    overrides["env_median_s"] = args.env_median_s
     size = replace(size, **{k: v for k, v in overrides.items() if v is not None})
     if size.over_sampling < 1:
         parser.error(f"{size.in_flight} in flight cannot hold {size.target_groups} groups of {size.n_samples}")

@@ -301,7 +301,8 @@ class Settings(EngineConfig):
     routing: Annotated[Literal["affinity", "consistent_hash", "round_robin"], Only("run"), FLAG] = "affinity"
     """With several URLs: which server each request goes to (engine/backends/affinity.py). affinity keeps a
     trajectory on the server holding its prefix until that server is loaded past a margin, and places new ones
-    by load; consistent_hash is sglang-router's session hashing; round_robin ignores sessions."""
+    on the server home to the fewest live trajectories, then by load; consistent_hash is sglang-router's session
+    hashing; round_robin ignores sessions."""
     model: Annotated[str, FLAG] = "tiny-qwen2"
     """Local backend: a tiny model name or a saved model's directory (with vision, tiny-qwen2 means tiny-qwen2.5-vl)."""
     request_timeout_s: Annotated[float, Field(gt=0), Only("run")] = 600.0

@@ -1,5 +1,6 @@
-"""Placement policies (engine/backends/affinity.py): new sessions by load, sessions kept on their server, moved only
-past the margin, servers cooling down passed over; consistent hashing and round robin as sglang-router does them."""
+"""Placement policies (engine/backends/affinity.py): new sessions by the live sessions each server holds, then by
+load; sessions kept on their server, moved only past the margin, forgotten when their trajectory ends; servers
+cooling down passed over; consistent hashing and round robin as sglang-router does them."""
 
 from __future__ import annotations
 
@@ -28,13 +29,43 @@ def loads(*tokens: int, down: tuple[int, ...] = ()) -> list[ServerLoad]:
     return [ServerLoad(num_requests=1 if t else 0, num_tokens=t, is_ready=i not in down) for i, t in enumerate(tokens)]
 
 
-def test_a_new_session_goes_to_the_server_with_fewest_tokens_in_flight():
-    placement = AffinityPlacement(3)
-    assert placement.place("a", loads(9000, 100, 5000)) == 1
+def test_a_new_session_goes_to_the_server_with_fewest_tokens_in_flight_when_each_holds_as_many_sessions():
+    assert AffinityPlacement(3).place("a", loads(9000, 100, 5000)) == 1
     # tokens first, requests break a tie
     tied = [ServerLoad(num_requests=3, num_tokens=10), ServerLoad(num_requests=1, num_tokens=10)]
+    placement = AffinityPlacement(2)
     assert placement.place("b", tied) == 1
-    assert placement.statistics() == {"num_placed": 2, "num_stayed": 0, "num_moved": 0}
+    assert placement.statistics() == {"num_placed": 1, "num_stayed": 0, "num_moved": 0}
+
+
+def test_a_new_session_goes_to_the_server_home_to_the_fewest_live_sessions_whatever_runs_there_now():
+    placement = AffinityPlacement(2)
+    assert placement.place("a", loads(5000, 0)) == 1
+    # server 1's session is in its env, so server 1 runs nothing now; server 0 runs other work but holds no session
+    assert placement.place("b", loads(5000, 0)) == 0
+    assert placement.place("c", loads(5000, 0)) == 1  # one each: tokens in flight decide
+    assert placement.residents == [1, 2]
+
+
+def test_an_ended_session_no_longer_counts_on_its_server_and_comes_back_as_new():
+    placement = AffinityPlacement(2)
+    assert [placement.place(s, loads(0, 0)) for s in ("a", "b", "c")] == [0, 1, 0]
+    placement.end("a")
+    placement.end("never-seen")  # nothing to forget
+    assert placement.residents == [1, 1] and list(placement.sessions) == ["b", "c"]
+    assert placement.place("d", loads(0, 10)) == 0
+    placement.place("a", loads(0, 0))
+    assert placement.statistics()["num_placed"] == 5
+
+
+def test_a_moved_session_counts_on_its_new_server_and_the_oldest_forgotten_on_its_own():
+    placement = AffinityPlacement(2, move_margin=0.25, move_slack_tokens=1000, max_sessions=2)
+    placement.place("a", loads(0, 10))
+    assert placement.place("a", loads(30_000, 2_000)) == 1
+    assert placement.residents == [0, 1]
+    placement.place("b", loads(0, 0))  # server 0: it holds none
+    placement.place("c", loads(0, 0))  # one each: server 0 by index; "a", the least recent of 3, is forgotten
+    assert list(placement.sessions) == ["b", "c"] and placement.residents == [2, 0]
 
 
 def test_a_session_stays_on_its_server_within_the_margin():
@@ -98,14 +129,36 @@ async def test_the_pool_counts_prompt_tokens_in_flight_and_places_by_them():
         tg.start_soon(lambda: pool.generate(list(range(5000)), ENDLESS, rid="long", session_id="long"))
         await anyio.lowlevel.checkpoint()
         assert [s["inflight_tokens"] for s in pool.statistics()] == [5000, 0]
-        # three short sessions: all go to the other server, whose few tokens stay below the long one's
-        for name in ("a", "b", "c"):
+        # a short session goes to the server holding none; the next, with one session on each, by tokens
+        for name in ("a", "b"):
             tg.start_soon(lambda name=name: pool.generate([1, 2, 3], ENDLESS, rid=name, session_id=name))
             await anyio.lowlevel.checkpoint()
-        assert [s["inflight"] for s in pool.statistics()] == [1, 3]
+        assert [s["inflight"] for s in pool.statistics()] == [1, 2]
         await pool.abort()
     assert [s["inflight_tokens"] for s in pool.statistics()] == [0, 0]
-    assert servers[0].session_ids == ["long"] and sorted(servers[1].session_ids) == ["a", "b", "c"]
+    assert servers[0].session_ids == ["long"] and sorted(servers[1].session_ids) == ["a", "b"]
+
+
+@pytest.mark.anyio
+async def test_the_engine_ends_each_trajectorys_session_in_the_pool(tokenizer):
+    from engine.encoding import ChatEncoder
+    from engine.engine import RolloutEngine
+    from tests.test_engine import config, env_factory, rows
+
+    failing = {1: BackendError(ErrorClass.CLIENT, "HTTP 400")}  # one trajectory fails: not retried
+    pool = BackendPool([DeterministicBackend(failures=failing), DeterministicBackend()], policy="affinity")
+    ended: list[str] = []
+    end_session = pool.end_session
+    pool.end_session = lambda session_id: (ended.append(session_id), end_session(session_id))
+    async with RolloutEngine(
+        backend=pool, encoder=ChatEncoder(tokenizer), env_factory=env_factory(), source=rows(4),
+        config=config(n_samples_per_prompt=2),
+    ) as engine:  # fmt: skip
+        groups = await engine.rollout(4)
+    statuses = sorted(str(t.status) for g in groups for t in g.trajectories)
+    assert statuses.count("failed") == 1 and statuses.count("completed") == 7
+    assert sorted(ended) == sorted(t.session_id for g in groups for t in g.trajectories)
+    assert pool.placement.sessions == {} and pool.placement.residents == [0, 0]
 
 
 @pytest.mark.anyio

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks.scale import SIZES, main
 
 KEYS = (
@@ -33,3 +35,12 @@ def test_the_scale_benchmark_compares_the_policies_and_writes_its_report(tmp_pat
     assert policies["affinity"]["num_weight_updates"] >= 1
     table = (tmp_path / "report.md").read_text()
     assert all(f"| {name} |" in table for name in policies)
+
+
+def test_the_scale_benchmark_refuses_settings_out_of_range(tmp_path, capsys):
+    for flag, value, message in (("--env-median-s", "0", "--env-median-s must be above 0, got 0.0"),
+                                 ("--in-flight", "0", "--in-flight must be at least 1, got 0")):  # fmt: skip
+        with pytest.raises(SystemExit) as exit_info:
+            main(["--size", "smoke", "--out", str(tmp_path), flag, value])
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "report.json").exists()

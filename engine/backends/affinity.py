@@ -8,11 +8,16 @@ prefilled again. Placement therefore trades cache reuse against load balance:
   consistent_hash  a session to the server its id hashes to on a ring (160 points per server), as
                    sglang-router's `consistent_hashing` policy does: full reuse, but load is left to chance,
                    and long sessions pile up on some servers while others idle
-  affinity         (the default) a session stays on its server while that server is not overloaded; a new
-                   session, or one whose server is overloaded or cooling down after a failure, goes to the
-                   least loaded server. A move costs a re-prefill of the session's prefix, so a server counts
-                   as overloaded only past a margin: its load above `(1 + move_margin) x the mean load of the
-                   ready servers + move_slack_tokens`.
+  affinity         (the default) a session stays on its server while that server is not overloaded. A new
+                   session goes to the server that is home to the fewest live sessions (then by load): a
+                   session's turns come back after each env step, so the sessions a server holds, not the
+                   requests it runs at this instant, are its load to come. A session whose server is
+                   overloaded or cooling down after a failure goes to the least loaded server. A move costs a
+                   re-prefill of the session's prefix, so a server counts as overloaded only past a margin: its
+                   load above `(1 + move_margin) x the mean load of the ready servers + move_slack_tokens`.
+                   A session is live from its first request until `end(session_id)` (the engine calls the
+                   pool's `end_session` when a trajectory ends) or until it is the least recent of more than
+                   `max_sessions`.
 
 Load is what the pool has in flight on each server: prompt tokens (the KV cache those requests hold, which is
 what runs out on a server holding long sessions), then requests, as a tie-break. A server that other clients also
@@ -58,11 +63,12 @@ class ServerLoad:
         return max(self.num_requests, self.reported_requests)
 
 
-def least_loaded(loads: Sequence[ServerLoad]) -> int:
-    """The ready server with the fewest tokens in flight, then fewest requests, then the longest since a failure
-    (among all servers when none is ready)."""
+def least_loaded(loads: Sequence[ServerLoad], residents: Sequence[int] | None = None) -> int:
+    """The ready server home to the fewest `residents` (live sessions, where given), then with the fewest tokens in
+    flight, then fewest requests, then the longest since a failure (among all servers when none is ready)."""
     ready = [i for i, load in enumerate(loads) if load.is_ready] or range(len(loads))
-    return min(ready, key=lambda i: (loads[i].tokens, loads[i].requests, loads[i].last_failed_at))
+    held = residents or [0] * len(loads)
+    return min(ready, key=lambda i: (held[i], loads[i].tokens, loads[i].requests, loads[i].last_failed_at))
 
 
 class Placement(Protocol):
@@ -70,6 +76,10 @@ class Placement(Protocol):
 
     def place(self, session_id: str | None, loads: Sequence[ServerLoad]) -> int:
         """The server (an index into `loads`) for a request of `session_id` (None: no session)."""
+        ...
+
+    def end(self, session_id: str) -> None:
+        """`session_id` sends no more requests (its trajectory ended)."""
         ...
 
     def statistics(self) -> dict[str, int]: ...
@@ -90,6 +100,9 @@ class RoundRobinPlacement:
             if loads[index].is_ready:
                 return index
         return least_loaded(loads)
+
+    def end(self, session_id: str) -> None:
+        pass
 
     def statistics(self) -> dict[str, int]:
         return {}
@@ -122,13 +135,16 @@ class ConsistentHashPlacement:
                 return index
         return least_loaded(loads)
 
+    def end(self, session_id: str) -> None:
+        pass
+
     def statistics(self) -> dict[str, int]:
         return {}
 
 
 class AffinityPlacement:
-    """Sessions stay on their server unless it is overloaded past a margin; new ones go to the least loaded.
-    See the module docstring. The last `max_sessions` sessions are remembered."""
+    """Sessions stay on their server unless it is overloaded past a margin; new ones go to the server home to the
+    fewest live sessions. See the module docstring. The last `max_sessions` sessions are remembered."""
 
     name: PolicyName = "affinity"
 
@@ -141,7 +157,8 @@ class AffinityPlacement:
         self.move_margin = move_margin
         self.move_slack_tokens = move_slack_tokens
         self.max_sessions = max_sessions
-        self.sessions: OrderedDict[str, int] = OrderedDict()  # session -> its server, least recent first
+        self.sessions: OrderedDict[str, int] = OrderedDict()  # live session -> its server, least recent first
+        self.residents = [0] * num_servers  # live sessions whose server each is
         self.num_placed = self.num_stayed = self.num_moved = 0
 
     def is_overloaded(self, index: int, loads: Sequence[ServerLoad]) -> bool:
@@ -152,24 +169,34 @@ class AffinityPlacement:
 
     def place(self, session_id: str | None, loads: Sequence[ServerLoad]) -> int:
         home = self.sessions.get(session_id) if session_id is not None else None
-        if home is not None and loads[home].is_ready and not self.is_overloaded(home, loads):
+        if home is None:
+            self.num_placed += 1
+            index = least_loaded(loads, self.residents if session_id is not None else None)
+        elif loads[home].is_ready and not self.is_overloaded(home, loads):
             self.num_stayed += 1
             index = home
         else:
             index = least_loaded(loads)
-            if home is None:
-                self.num_placed += 1
-            elif index != home:
-                self.num_moved += 1
+            self.num_moved += index != home
         if session_id is not None:
-            self._remember(session_id, index)
+            self._remember(session_id, home, index)
         return index
 
-    def _remember(self, session_id: str, index: int) -> None:
+    def end(self, session_id: str) -> None:
+        home = self.sessions.pop(session_id, None)
+        if home is not None:
+            self.residents[home] -= 1
+
+    def _remember(self, session_id: str, home: int | None, index: int) -> None:
+        if home != index:
+            if home is not None:
+                self.residents[home] -= 1
+            self.residents[index] += 1
         self.sessions[session_id] = index
         self.sessions.move_to_end(session_id)
         if len(self.sessions) > self.max_sessions:
-            self.sessions.popitem(last=False)
+            _, oldest = self.sessions.popitem(last=False)
+            self.residents[oldest] -= 1
 
     def statistics(self) -> dict[str, int]:
         return {"num_placed": self.num_placed, "num_stayed": self.num_stayed, "num_moved": self.num_moved}

@@ -2,7 +2,9 @@
 
 SGLang's HTTP API is the reference (`/generate`, `/abort_request`, `/pause_generation`,
 `/continue_generation`, `/model_info`, `/health`); the local backend gives the same
-semantics in process. Failures are raised as `engine.errors.BackendError`, classified.
+semantics in process. Failures are raised as `engine.errors.BackendError`, classified. A backend
+that places sessions over several servers may also have `end_session(session_id)`, which the scheduler
+calls once a trajectory has ended (BackendPool: the session no longer counts where it was placed).
 
     async with SGLangBackend("http://127.0.0.1:30000") as backend:   # an SGLang server or an sglang-router
         params = SamplingParams(max_new_tokens=256, stop_token_ids=(151645,))

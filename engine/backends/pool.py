@@ -4,8 +4,9 @@
 
 Which server a request goes to is the `policy`'s choice (engine/backends/affinity.py): "affinity" (the
 default) keeps a session (`session_id`) on its server, so its turns reuse that server's prefix cache, until
-that server holds more than a margin above the mean load, and places new sessions on the least loaded
-server; "consistent_hash" and "round_robin" are there to compare with. Every policy passes over servers that
+that server holds more than a margin above the mean load, and places new sessions on the server home to the
+fewest live sessions (`end_session`, which the engine calls as each trajectory ends, retires one);
+"consistent_hash" and "round_robin" are there to compare with. Every policy passes over servers that
 failed with a retryable error in the last `cooldown_s` seconds (unless all have), so a retry after a
 connection error or a 5xx lands elsewhere. The pool tracks each server's load itself: requests and prompt
 tokens in flight (`note_reported_load` adds what a server reports for other clients). Aborts go to the
@@ -91,6 +92,10 @@ class BackendPool:
     def note_reported_load(self, index: int, num_requests: int, num_tokens: int) -> None:
         """What server `index` reports it holds (SGLang's `GET /get_load`), other clients' requests included."""
         self._reported[index] = (num_requests, num_tokens)
+
+    def end_session(self, session_id: str) -> None:
+        """`session_id`'s trajectory ended: it no longer counts where it was placed."""
+        self.placement.end(session_id)
 
     def pick(self, session_id: str | None = None) -> int:
         """The server for the next request of `session_id`, by the placement policy."""

@@ -92,6 +92,8 @@ class Scheduler:
         """`end_on_abort`: a request aborted by someone else (not by a pause of this scheduler: slime's
         own end-of-step abort, say) ends its trajectory ABORTED; otherwise it is a SERVER error, retried."""
         self.backend, self.encoder, self.sampling, self.limits = backend, encoder, sampling, limits
+        # a backend over several servers places sessions; told when one ends (BackendPool.end_session)
+        self._end_session: Callable[[str], None] | None = getattr(backend, "end_session", None)
         self.retry, self.breaker = retry, breaker
         self.policy, self.max_staleness, self.on_stale = Policy(policy), max_staleness, on_stale
         self.max_restarts, self.end_on_abort = max_restarts, end_on_abort
@@ -150,6 +152,8 @@ class Scheduler:
                 if env.runner is not None:
                     await close_env(env.runner, trajectory)
                 trajectory.finish(stop or StopReason.ABORTED)
+                if self._end_session is not None:
+                    self._end_session(trajectory.session_id)
             if score and self.reward_fn is not None and trajectory.status in SCORED:
                 try:
                     trajectory.reward = await self.score(self.reward_fn, trajectory, budget, trajectory)
