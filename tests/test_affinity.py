@@ -175,3 +175,37 @@ async def test_a_server_that_failed_is_left_until_its_cooldown_ends():
     now[0] = 11.0
     await pool.generate([1], SHORT, session_id="s")
     assert flaky.session_ids == ["s", "s"] and other.session_ids == ["s"]
+
+
+@pytest.mark.anyio
+async def test_a_backend_failing_to_end_a_session_fails_no_trajectory(tokenizer, caplog):
+    from engine.encoding import ChatEncoder
+    from engine.engine import RolloutEngine
+    from tests.test_engine import config, env_factory, rows
+
+    class Refusing(DeterministicBackend):
+        def end_session(self, session_id: str) -> None:
+            raise RuntimeError("no such session")
+
+    async with RolloutEngine(
+        backend=Refusing(), encoder=ChatEncoder(tokenizer), env_factory=env_factory(), source=rows(2),
+        config=config(n_samples_per_prompt=2),
+    ) as engine:  # fmt: skip
+        groups = await engine.rollout(2)
+    assert [str(t.status) for g in groups for t in g.trajectories] == ["completed"] * 4
+    assert caplog.text.count("ending session") == 4 and "no such session" in caplog.text
+
+
+def test_a_pool_with_a_placement_that_keeps_no_sessions_has_none_to_end():
+    class First:
+        name = "first"
+
+        def place(self, session_id, loads):
+            return 0
+
+        def statistics(self):
+            return {}
+
+    pool = BackendPool([DeterministicBackend(), DeterministicBackend()], policy=First())
+    pool.end_session("s")  # nothing to forget, and no error
+    assert pool.pick("s") == 0

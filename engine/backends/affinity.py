@@ -67,7 +67,7 @@ def least_loaded(loads: Sequence[ServerLoad], residents: Sequence[int] | None = 
     """The ready server home to the fewest `residents` (live sessions, where given), then with the fewest tokens in
     flight, then fewest requests, then the longest since a failure (among all servers when none is ready)."""
     ready = [i for i, load in enumerate(loads) if load.is_ready] or range(len(loads))
-    held = residents or [0] * len(loads)
+    held = residents if residents is not None else [0] * len(loads)
     return min(ready, key=lambda i: (held[i], loads[i].tokens, loads[i].requests, loads[i].last_failed_at))
 
 

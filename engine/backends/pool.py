@@ -94,8 +94,11 @@ class BackendPool:
         self._reported[index] = (num_requests, num_tokens)
 
     def end_session(self, session_id: str) -> None:
-        """`session_id`'s trajectory ended: it no longer counts where it was placed."""
-        self.placement.end(session_id)
+        """`session_id`'s trajectory ended: it no longer counts where it was placed (a placement of the caller's
+        without `end` keeps no sessions to forget)."""
+        end = getattr(self.placement, "end", None)
+        if end is not None:
+            end(session_id)
 
     def pick(self, session_id: str | None = None) -> int:
         """The server for the next request of `session_id`, by the placement policy."""

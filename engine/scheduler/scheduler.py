@@ -118,6 +118,16 @@ class Scheduler:
         self._exhausted: Counter[ErrorClass] = Counter()
 
     # -- one trajectory ---------------------------------------------------------------------------
+    def _forget_session(self, trajectory: Trajectory) -> None:
+        """Tell the backend that `trajectory`'s session is over; a backend that fails at it is logged, and
+        neither this trajectory nor any other is the worse for it."""
+        if self._end_session is None:
+            return
+        try:
+            self._end_session(trajectory.session_id)
+        except Exception as exc:  # noqa: BLE001 -- placement bookkeeping must not end a trajectory
+            log.warning("ending session %s on the backend failed", trajectory.session_id, exc_info=exc)
+
     async def drive(
         self,
         trajectory: Trajectory,
@@ -152,8 +162,7 @@ class Scheduler:
                 if env.runner is not None:
                     await close_env(env.runner, trajectory)
                 trajectory.finish(stop or StopReason.ABORTED)
-                if self._end_session is not None:
-                    self._end_session(trajectory.session_id)
+                self._forget_session(trajectory)
             if score and self.reward_fn is not None and trajectory.status in SCORED:
                 try:
                     trajectory.reward = await self.score(self.reward_fn, trajectory, budget, trajectory)
