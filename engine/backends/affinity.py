@@ -72,14 +72,13 @@ def least_loaded(loads: Sequence[ServerLoad], residents: Sequence[int] | None = 
 
 
 class Placement(Protocol):
+    """Where each request goes. A placement that keeps sessions may also have `end(session_id)`: the session
+    sends no more requests (its trajectory ended); `BackendPool.end_session` calls it where it exists."""
+
     name: PolicyName
 
     def place(self, session_id: str | None, loads: Sequence[ServerLoad]) -> int:
         """The server (an index into `loads`) for a request of `session_id` (None: no session)."""
-        ...
-
-    def end(self, session_id: str) -> None:
-        """`session_id` sends no more requests (its trajectory ended)."""
         ...
 
     def statistics(self) -> dict[str, int]: ...
@@ -100,9 +99,6 @@ class RoundRobinPlacement:
             if loads[index].is_ready:
                 return index
         return least_loaded(loads)
-
-    def end(self, session_id: str) -> None:
-        pass
 
     def statistics(self) -> dict[str, int]:
         return {}
@@ -134,9 +130,6 @@ class ConsistentHashPlacement:
             if loads[index].is_ready:
                 return index
         return least_loaded(loads)
-
-    def end(self, session_id: str) -> None:
-        pass
 
     def statistics(self) -> dict[str, int]:
         return {}

@@ -94,8 +94,8 @@ class BackendPool:
         self._reported[index] = (num_requests, num_tokens)
 
     def end_session(self, session_id: str) -> None:
-        """`session_id`'s trajectory ended: it no longer counts where it was placed (a placement of the caller's
-        without `end` keeps no sessions to forget)."""
+        """`session_id`'s trajectory ended: it no longer counts where it was placed (a placement without `end`,
+        round robin and consistent hashing among them, keeps no sessions to forget)."""
         end = getattr(self.placement, "end", None)
         if end is not None:
             end(session_id)
