@@ -43,6 +43,9 @@ Every policy does the same weight update between steps. Per policy (report.json,
   reward_tail_seconds       per step, from the last end among the step's returned trajectories to
                             the last of them scored: the reward's share of the step's critical path
                             (summed; _per_step its mean; reward_tail_fraction: over the step seconds)
+  collector_pauses          this process's garbage-collector passes during the policy's run: how many, their
+                            seconds, and each full pass in ms (every pass stops the event loop; Turnstile's engine
+                            freezes what is alive when it starts, EngineConfig.gc_freeze, unless --no-gc-freeze)
 DIR also gets timeline.png (a sample of trajectories of one step per policy) and throughput.png.
 """
 
@@ -50,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import select
@@ -64,7 +68,7 @@ from typing import Any
 import anyio
 import httpx2
 
-from benchmarks.longtail_common import PolicyRun, Setup, TimedBackend, build_timeline, summarize
+from benchmarks.longtail_common import CollectorPauses, PolicyRun, Setup, TimedBackend, build_timeline, summarize
 from benchmarks.simserver import SimConfig
 from benchmarks.workload import Workload
 from engine.backends.base import SamplingParams
@@ -118,6 +122,7 @@ class Size:
     env_medians: dict[str, float] = field(default_factory=lambda: {"env_1ms": 0.001, HEADLINE: 0.03})
     reward_source: str = "rm"  # "rm": a reward function scores each ended trajectory; "env": the env's info
     reward_latency_s: float = 0.02  # one reward call with "rm" (0: a synchronous rule)
+    gc_freeze: bool = True  # Turnstile's EngineConfig.gc_freeze
     server: SimConfig = SimConfig()
 
 
@@ -130,8 +135,12 @@ SIZES = {
         max_tokens=4096,
         server=SimConfig(max_running=16, median_tokens=20.0, max_turn_tokens=200),
     ),
-    # refill 0.15: 3 groups more in a step's tail; they straddle two updates more often, so the bound is 2
-    "large": Size(target_groups=16, num_steps=10, refill=0.15, max_staleness=2, server=SimConfig(max_running=64)),
+    # 30 groups in flight for the 16 a step returns; some straddle two weight updates, so the bound is 2. 31 keep the
+    # server fuller and leave fewer trained tokens at most one version old; 28 and refill 0.15 (3 more in a step's
+    # tail) move that share from run to run: docs/scaling.md.
+    "large": Size(
+        target_groups=16, num_steps=10, over_sampling=1.875, max_staleness=2, server=SimConfig(max_running=64)
+    ),
 }
 
 
@@ -177,15 +186,19 @@ async def run_policy(name: str, setup: Setup) -> PolicyRun:
     await _post(setup.server_url, "/sim/reset", {"weight_version": "v0"})
     setup.reset_records()
     await _post(setup.server_url, "/stats/reset")
-    if name == "slime_style":
-        from benchmarks.longtail_slime import run_slime_style
+    if setup.gc_freeze:  # what the earlier policies left (their reports) costs this one's collector passes nothing
+        gc.collect()
+        gc.freeze()
+    with CollectorPauses() as collector:
+        if name == "slime_style":
+            from benchmarks.longtail_slime import run_slime_style
 
-        run = await run_slime_style(setup)
-    else:
-        from benchmarks.longtail_turnstile import run_turnstile
+            run = await run_slime_style(setup)
+        else:
+            from benchmarks.longtail_turnstile import run_turnstile
 
-        run = await run_turnstile(setup, partial=name == "turn_partial")
-    run.rewards = setup.rewards
+            run = await run_turnstile(setup, partial=name == "turn_partial")
+    run.rewards, run.collector = setup.rewards, collector.summary()
     return run
 
 
@@ -212,7 +225,7 @@ async def run_benchmark(
                     n_samples=size.n_samples, num_steps=size.num_steps, target_groups=size.target_groups,
                     concurrency=size.server.max_running, max_env_steps=size.max_env_steps,
                     over_sampling=size.over_sampling, refill=size.refill, max_staleness=size.max_staleness,
-                    scheduling=size.scheduling, server_url=url,
+                    scheduling=size.scheduling, gc_freeze=size.gc_freeze, server_url=url,
                 )  # fmt: skip
                 results, timelines = {}, {}
                 for policy in policies:
@@ -270,6 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--refill", type=float, help="Turnstile's refill of a step's tail with partial rollout")
     parser.add_argument("--max-staleness", type=int, help="Turnstile's bound on a token's staleness")
     parser.add_argument("--steps", type=int, help="rollout steps per policy")
+    parser.add_argument(
+        "--no-gc-freeze", action="store_true", help="neither Turnstile's engine nor the benchmark freezes what is alive"
+    )
     parser.add_argument("--env", choices=["env_1ms", HEADLINE], help="run one workload only")
     parser.add_argument(
         "--reward-source", choices=["rm", "env"], default="rm",
@@ -292,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
             ("num_steps", args.steps),
             ("reward_source", args.reward_source),
             ("reward_latency_s", args.reward_ms / 1000),
+            ("gc_freeze", False if args.no_gc_freeze else None),
         )
         if value is not None
     }

@@ -12,6 +12,7 @@ matched to its trajectory by the input length and last tokens it was sent (one c
 
 from __future__ import annotations
 
+import gc
 import itertools
 import threading
 import time
@@ -197,6 +198,7 @@ class Setup:
     refill: float = 0.0
     max_staleness: int = 1
     scheduling: str = "group_completion"
+    gc_freeze: bool = True  # Turnstile's EngineConfig.gc_freeze
     server_url: str = ""
     env_log: dict[int, EnvRecord] = field(default_factory=dict)
     env_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -242,6 +244,37 @@ class PolicyRun:
     engine: dict[str, Any] = field(default_factory=dict)
     timeline: list[dict[str, Any]] = field(default_factory=list)
     rewards: RewardLog = field(default_factory=RewardLog)
+    collector: dict[str, Any] = field(default_factory=dict)  # CollectorPauses.summary() of the run
+
+
+class CollectorPauses:
+    """The garbage collector's passes in this process while it is entered, timed from gc.callbacks: each pass stops
+    the event loop (and every thread) for as long as it runs. Generation 2 is a full pass."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[int, list[float]] = {0: [], 1: [], 2: []}
+        self._started = 0.0
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.seconds[info["generation"]].append(time.perf_counter() - self._started)
+
+    def __enter__(self) -> CollectorPauses:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def summary(self) -> dict[str, Any]:
+        every = [s for passes in self.seconds.values() for s in passes]
+        return {
+            "passes": len(every),
+            "seconds": round(sum(every), 3),
+            "full_passes_ms": [round(s * 1000, 1) for s in self.seconds[2]],
+        }
 
 
 def model_tokens(trajectory: Trajectory) -> int:
@@ -293,6 +326,7 @@ def summarize(run: PolicyRun) -> dict[str, Any]:
         "statuses": dict(statuses),
         "mean_turns": num_turns / num_trajectories if num_trajectories else 0.0,
         **reward_figures(run, steps),
+        "collector_pauses": run.collector,
         "server": run.server,
         "engine": run.engine,
     }

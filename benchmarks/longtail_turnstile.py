@@ -41,6 +41,7 @@ def engine_config(setup: Setup, *, partial: bool) -> EngineConfig:
         limits=setup.limits,
         sampling=setup.sampling,
         seed=setup.workload.seed,
+        gc_freeze=setup.gc_freeze,
     )
 
 

@@ -8,9 +8,10 @@ running, and `max_prefill_tokens` new tokens), then lasts
     prefill_s_per_token * uncached_new_tokens + decode_a + decode_b * running
 
 (an asyncio.sleep stands in for the GPU; overshoot is paid back in the next step), after which every
-running request has one more token. A prefix cache of 16-token blocks (chain hash, LRU) stands in for
-SGLang's radix cache: a request extending an earlier one pays prefill for its new part only. A weight
-update flushes it, as SGLang's does.
+running request has one more token. The loop's own work between two steps is paid back the same way,
+so a busy spell's running and busy seconds (`GET /stats`) run on through it, as a GPU's running batch
+would. A prefix cache of 16-token blocks (chain hash, LRU) stands in for SGLang's radix cache: a request
+extending an earlier one pays prefill for its new part only. A weight update flushes it, as SGLang's does.
 
 The model (longtail_model.TurnModel) makes every policy see the same work: a turn's length and tokens
 depend on the conversation up to the turn's start only, and an aborted turn resumed later continues
@@ -127,7 +128,8 @@ class SimServer:
         self.running: list[Request] = []
         self.paused = False
         self._wake = asyncio.Event()
-        self._mark: float | None = None  # while a step runs: the time up to which running_seconds is counted
+        self._mark: float | None = None  # while a step runs: the time up to which the measurements are counted
+        self._counted = 0.0  # where the last step's count ended
         self.faults = Faults(**{key: getattr(config, key) for key in FAULT_KEYS})
         self.reset_state(config.weight_version)
 
@@ -141,7 +143,13 @@ class SimServer:
         self.cache = PrefixCache(self.config.cache_tokens)
         self.weight_version = weight_version
         self.paused = False
+        self._restart_stats()
+
+    def _restart_stats(self) -> None:
         self.stats = Stats()
+        self._counted = max(self._counted, self.stats.started)
+        if self._mark is not None:
+            self._mark = self.stats.started
 
     # -- the batch loop ------------------------------------------------------------------------------
     async def batch_loop(self) -> None:
@@ -158,11 +166,12 @@ class SimServer:
             # a step that overshot (timer granularity) is paid back by the next, up to MAX_DEBT_S
             base = start if deadline is None else max(deadline, start - MAX_DEBT_S)
             deadline = base + (cfg.prefill_s_per_token * prefill + cfg.decode_a + cfg.decode_b * len(self.running))
-            self._mark = start
+            # The step is [base, deadline] of the model's time, and the loop's own work between two steps is paid for
+            # by the second's shorter sleep: so within a busy spell the count goes on from where the last step's ended.
+            self._mark = max(base, self._counted)
             await asyncio.sleep(max(0.0, deadline - time.monotonic()))
             self._integrate()
-            self._mark = None
-            self.stats.busy_seconds += time.monotonic() - start
+            self._counted, self._mark = self._mark, None
             self.stats.num_steps += 1
             self.stats.generated_tokens += len(self.running)
             still = []
@@ -196,6 +205,7 @@ class SimServer:
         if self._mark is not None:
             now = time.monotonic()
             self.stats.running_seconds += len(self.running) * (now - self._mark)
+            self.stats.busy_seconds += now - self._mark
             self._mark = now
 
     def _finish(self, request: Request, reason: dict[str, Any]) -> None:
@@ -357,9 +367,7 @@ class SimServer:
     async def reset_stats(self, http: web.Request) -> web.Response:
         self._integrate()
         self.faults.injected_errors = self.faults.injected_malformed = 0
-        self.stats = Stats()
-        if self._mark is not None:
-            self._mark = self.stats.started
+        self._restart_stats()
         return web.json_response({})
 
     async def sim_reset(self, http: web.Request) -> web.Response:

@@ -204,6 +204,12 @@ class EngineConfig(BaseModel):
     metrics_port: Annotated[int | None, Field(ge=0, le=65535), FLAG] = None
     """Port of Prometheus /metrics (0: any free port; none: not served)."""
 
+    # -- the process ----------------------------------------------------------------------------------
+    gc_freeze: bool = True
+    """When the process's first engine starts: collect garbage, then gc.freeze() what is alive (the modules
+    loaded, torch, the tokenizer), so the collector's full passes, which stop the event loop, skip it. With
+    those loaded, a full pass took 130-160 ms in benchmarks.longtail. False: the collector is left as it is."""
+
     @model_validator(mode="before")
     @classmethod
     def _unpack(cls, data: Any) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 
 import anyio
@@ -584,3 +585,46 @@ async def test_zero_spread_groups_are_dropped_counted_and_replaced(encoder):
         stats = engine.statistics()
     assert sorted(g.group_id for g in groups) == [1, 3]
     assert stats.num_groups_dropped == {"zero_std": 2} and stats.num_prompts_admitted == 4
+
+
+# -- the process ------------------------------------------------------------------------------------
+
+
+def _is_collected(obj: object) -> bool:
+    """Whether the collector's passes look at `obj` (a frozen object is in no generation they visit)."""
+    return any(o is obj for o in gc.get_objects())
+
+
+@pytest.mark.anyio
+async def test_the_first_engine_freezes_what_is_alive_and_a_later_one_leaves_the_collector_alone(encoder, monkeypatch):
+    import engine.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "_frozen", False)
+    gc.unfreeze()
+    before = [object()]  # a container alive when the first engine starts
+    async with RolloutEngine(
+        backend=DeterministicBackend(), encoder=encoder, env_factory=env_factory(), source=rows(2), config=config()
+    ) as engine:
+        groups = await engine.rollout(2)
+    assert len(groups) == 2 and not _is_collected(before) and gc.get_freeze_count() > 0
+    between = [object()]
+    async with RolloutEngine(
+        backend=DeterministicBackend(), encoder=encoder, env_factory=env_factory(), source=rows(2), config=config()
+    ) as engine:
+        await engine.rollout(2)
+    assert _is_collected(between)  # frozen once per process: what a later engine holds is collected as before
+
+
+@pytest.mark.anyio
+async def test_gc_freeze_false_leaves_the_collector_as_it_is(encoder, monkeypatch):
+    import engine.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "_frozen", False)
+    gc.unfreeze()
+    before = [object()]
+    async with RolloutEngine(
+        backend=DeterministicBackend(), encoder=encoder, env_factory=env_factory(), source=rows(2),
+        config=config(gc_freeze=False),
+    ) as engine:  # fmt: skip
+        await engine.rollout(2)
+    assert _is_collected(before) and gc.get_freeze_count() == 0 and engine_module._frozen is False

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import statistics
+import time
 
 import anyio
 import httpx2
 import pytest
+from aiohttp import web
 
 from benchmarks.longtail import POLICIES, run_benchmark, sim_server, sized, write_outputs
 from benchmarks.longtail_model import IM_END, IM_START, turn_start
-from benchmarks.simserver import SimConfig
+from benchmarks.simserver import SimConfig, SimServer
 from benchmarks.workload import Workload, lognormal
 from engine.backends.base import SamplingParams
 from engine.backends.sglang import SGLangBackend
@@ -284,3 +287,36 @@ async def test_longtail_smoke(tmp_path):
         assert len(set(trained.values())) == 1, (policy, trained)
     for name in ("report.md", "timeline.png", "throughput.png"):
         assert (tmp_path / name).stat().st_size > 0
+
+
+@pytest.mark.anyio
+async def test_the_loops_own_work_between_steps_counts_as_running_time(monkeypatch):
+    # Each step is DECODE_A of the model's time; the loop's work between two steps (made 1/2 of a step here) is
+    # paid for by the next step's shorter sleep, so the running batch is counted through it, not only while asleep.
+    sim = SimServer(SimConfig(max_running=CAP, decode_a=DECODE_A, decode_b=0.0, prefill_s_per_token=0.0,
+                              median_tokens=TURN_TOKENS, sigma=0.0))  # fmt: skip
+    integrate = sim._integrate
+
+    def integrate_then_work() -> None:  # at a step's end: then the loop's own work, before the next step
+        integrate()
+        time.sleep(DECODE_A / 2)
+
+    monkeypatch.setattr(sim, "_integrate", integrate_then_work)
+    runner = web.AppRunner(sim.app(), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    loop_task = asyncio.create_task(sim.batch_loop())
+    try:
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        async with SGLangBackend(url, timeout=30) as backend, anyio.create_task_group() as tg:
+            for i in range(CAP):
+                tg.start_soon(backend.generate, prompt(50 + i), PARAMS)
+    finally:
+        loop_task.cancel()
+        await runner.cleanup()
+    stats = sim.stats.snapshot(CAP)
+    assert stats["generated_tokens"] == CAP * TURN_TOKENS
+    # a running request's token costs one step: DECODE_A of running time (counting only while asleep gave half)
+    model_running_seconds = stats["generated_tokens"] * DECODE_A
+    assert 0.9 * model_running_seconds <= stats["running_seconds"] <= 1.5 * model_running_seconds
+    assert stats["busy_seconds"] >= 0.9 * stats["num_steps"] * DECODE_A
