@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import json
 import os
 import select
@@ -74,6 +73,7 @@ from benchmarks.workload import Workload
 from engine.backends.base import SamplingParams
 from engine.backends.sglang import SGLangBackend
 from engine.encoding import ChatEncoder
+from engine.engine import freeze_alive
 from engine.turn import TurnLimits
 
 POLICIES = ("slime_style", "turn", "turn_partial")
@@ -187,8 +187,7 @@ async def run_policy(name: str, setup: Setup) -> PolicyRun:
     setup.reset_records()
     await _post(setup.server_url, "/stats/reset")
     if setup.gc_freeze:  # what the earlier policies left (their reports) costs this one's collector passes nothing
-        gc.collect()
-        gc.freeze()
+        freeze_alive()
     with CollectorPauses() as collector:
         if name == "slime_style":
             from benchmarks.longtail_slime import run_slime_style

@@ -253,12 +253,12 @@ class CollectorPauses:
 
     def __init__(self) -> None:
         self.seconds: dict[int, list[float]] = {0: [], 1: [], 2: []}
-        self._started = 0.0
+        self._started: float | None = None  # None until a pass starts after entering
 
     def _callback(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
             self._started = time.perf_counter()
-        else:
+        elif self._started is not None:
             self.seconds[info["generation"]].append(time.perf_counter() - self._started)
 
     def __enter__(self) -> CollectorPauses:

@@ -570,5 +570,10 @@ def freeze_long_lived() -> None:
     global _frozen
     if not _frozen:
         _frozen = True
-        gc.collect()
-        gc.freeze()
+        freeze_alive()
+
+
+def freeze_alive() -> None:
+    """Collect garbage, then freeze what is left alive (gc.freeze): the collector's passes skip it from then on."""
+    gc.collect()
+    gc.freeze()
