@@ -14,7 +14,16 @@ up with) and `smoke` (4 servers, for the tests); docs/scaling.md gives the figur
 
 Per policy (report.json, report.md):
   trained_tokens_per_s        model tokens of non-FAILED returned trajectories over the policy's wall time
-  utilization                 time-integral of running requests / (servers x max_running x wall time)
+  share_of_ceiling            generated tokens/s over the fleet's ceiling (`fleet_ceiling`: every slot of every
+                              server running, nothing to prefill), which no policy passes; share_of_busy_ceiling:
+                              the same over the ceiling x busy_fraction, what a policy that kept every slot full
+                              whenever a server was busy would get; prefill_stall_share: the share of busy time
+                              the servers spent prefilling (decoding stalls meanwhile)
+  utilization                 time-integral of running requests / (servers x max_running x wall time); it is
+                              busy_fraction (share of server time with a request running) x mean_batch_size
+                              (requests running while busy) / max_running
+  mean_waiting_requests       requests waiting in the servers' queues, on average over the run; kv_blocked_share:
+                              the share of slots free while requests waited for KV room (0: queues wait for slots)
   cached_share_after_turn1    cached / prompt tokens over the requests after a trajectory's first; also
                               `..._steady`, leaving out each trajectory's first request after a weight update;
                               a turn's new tokens (its observation) cannot be cached, so this is below 1 for
@@ -23,6 +32,8 @@ Per policy (report.json, report.md):
   cpu_ms_per_turn             this process's CPU time (all threads) per generate request answered
   rss_kib_per_trajectory      this process's peak RSS less its RSS before the run, over `in_flight`
   loop_lag_ms_p50 / p99       how late a 10 ms timer fires on the engine's event loop
+  live_trajectories_mean      trajectories not yet ended, sampled every 0.5 s: `in_flight` counts the groups' finished
+                              members too, until their group is returned
 The saturation run (`saturation` in the report) repeats the affinity policy with every latency cut to near zero,
 so the engine process is CPU-bound: its turn rate there is the most one engine process sustains on this machine.
 """
@@ -54,10 +65,12 @@ from engine.backends.transport import http_transport
 from engine.encoding import ChatEncoder
 from engine.engine import EngineConfig, RolloutEngine
 from engine.envs.base import AsyncInteractionEnv, EnvRunner
+from engine.scheduler.queue import Phase
 from engine.trajectory import Status
 from engine.turn import TurnLimits
 
 LAG_INTERVAL_S = 0.01
+LIVE_SAMPLE_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -250,9 +263,18 @@ async def run_policy(
         backend=backend, encoder=encoder, source=rows, config=config,
         env_factory=lambda sample: EnvRunner(ScaleEnv(size, int(sample.metadata["prompt_id"]))),
     )  # fmt: skip
+    live: list[int] = []  # trajectories not yet ended, every LIVE_SAMPLE_S
+
+    async def count_live() -> None:
+        while True:
+            await anyio.sleep(LIVE_SAMPLE_S)
+            phases = engine.scheduler.statistics().phases
+            live.append(sum(n for phase, n in phases.items() if phase is not Phase.SCORING))
+
     started, cpu_started = time.monotonic(), time.process_time()
     async with engine, anyio.create_task_group() as tg:
         tg.start_soon(monitor.run)
+        tg.start_soon(count_live)
         updated, num_updates = started, 0
         while time.monotonic() - started < size.duration_s:
             for group in await engine.rollout(size.target_groups):
@@ -276,6 +298,21 @@ async def run_policy(
     return {
         "trained_tokens_per_s": trained / wall,
         "utilization": fleet["utilization"],
+        "busy_fraction": fleet["busy_fraction"],
+        "mean_batch_size": fleet["mean_batch_size"],
+        "kv_blocked_share": fleet["kv_blocked_share"],
+        "mean_waiting_requests": fleet["waiting_seconds"] / fleet["wall_seconds"] if fleet["wall_seconds"] else 0.0,
+        "share_of_ceiling": fleet["generated_tokens"] / wall / fleet_ceiling(size),
+        "share_of_busy_ceiling": (
+            fleet["generated_tokens"] / wall / (fleet_ceiling(size) * fleet["busy_fraction"])
+            if fleet["busy_fraction"]
+            else 0.0
+        ),
+        "prefill_stall_share": (
+            fleet["prefill_tokens"] * size.server.prefill_s_per_token / fleet["busy_seconds"]
+            if fleet["busy_seconds"]
+            else 0.0
+        ),
         "cached_share_after_turn1": c["later_cached"] / c["later_prompt"] if c["later_prompt"] else 0.0,
         "cached_share_after_turn1_steady": c["steady_cached"] / c["steady_prompt"] if c["steady_prompt"] else 0.0,
         "cached_share_of_reusable": c["later_cached"] / c["later_reusable"] if c["later_reusable"] else 0.0,
@@ -283,6 +320,7 @@ async def run_policy(
         "turns_per_s": c["requests"] / wall,
         "engine_cpu_fraction": cpu / wall,
         "rss_kib_per_trajectory": max(0, monitor.peak_rss - rss_before) / 1024 / config.max_inflight,
+        "live_trajectories_mean": float(np.mean(live)) if live else 0.0,
         "loop_lag_ms_p50": monitor.percentile_ms(50),
         "loop_lag_ms_p99": monitor.percentile_ms(99),
         "loop_lag_ms_max": monitor.percentile_ms(100),
@@ -302,6 +340,13 @@ async def run_policy(
     }
 
 
+def fleet_ceiling(size: Size) -> float:
+    """Generated tokens per second with every slot of every server running and nothing to prefill: the most any
+    policy can get from the fleet."""
+    server = size.server
+    return size.servers * server.max_running / (server.decode_a + server.decode_b * server.max_running)
+
+
 def saturation_size(size: Size) -> Size:
     """The same fleet and load with every latency near zero: the engine process is then the bottleneck."""
     fast = replace(size.server, decode_a=0.0002, decode_b=0.0, prefill_s_per_token=0.0)
@@ -314,7 +359,8 @@ async def run_benchmark(size: Size, policies: tuple[str, ...], *, saturation: bo
     encoder = ChatEncoder(load_tokenizer("qwen2.5"))
     encoder.encode_observation({"role": "user", "content": "warm up"})
     rss_baseline = rss_bytes()  # the tokenizer loaded: what the process holds before any trajectory
-    report: dict[str, Any] = {"config": {**asdict(size), "over_sampling": size.over_sampling}, "policies": {}}
+    config = {**asdict(size), "over_sampling": size.over_sampling, "fleet_ceiling_tokens_per_s": fleet_ceiling(size)}
+    report: dict[str, Any] = {"config": config, "policies": {}}
     with sim_server(replace(size.server, servers=size.servers)) as url:
         for policy in policies:
             report["policies"][policy] = result = await run_policy(policy, size, url, encoder, rss_baseline)
@@ -330,7 +376,11 @@ async def run_benchmark(size: Size, policies: tuple[str, ...], *, saturation: bo
 
 def _line(m: dict[str, Any]) -> str:
     return (
-        f"{m['trained_tokens_per_s']:8.0f} tok/s  util {m['utilization']:.2f}  "
+        f"{m['trained_tokens_per_s']:8.0f} tok/s  util {m['utilization']:.2f} (busy {m['busy_fraction']:.2f}, "
+        f"batch {m['mean_batch_size']:.2f}, kv-blocked {m['kv_blocked_share']:.2f}, "
+        f"waiting {m['mean_waiting_requests']:.0f})  "
+        f"{m['share_of_ceiling']:.2f} of ceiling ({m['share_of_busy_ceiling']:.2f} while busy, prefill "
+        f"{m['prefill_stall_share']:.3f})  "
         f"cached {m['cached_share_after_turn1']:.3f} (steady {m['cached_share_after_turn1_steady']:.3f}, "
         f"of reusable {m.get('cached_share_of_reusable', 0):.3f})  "
         f"{m['turns_per_s']:6.0f} turns/s  cpu {m['cpu_ms_per_turn']:.2f} ms/turn ({m['engine_cpu_fraction']:.2f})  "
@@ -339,7 +389,12 @@ def _line(m: dict[str, Any]) -> str:
 
 
 COLUMNS = (
-    ("trained tok/s", "trained_tokens_per_s", "{:.0f}"), ("utilization", "utilization", "{:.2f}"),
+    ("trained tok/s", "trained_tokens_per_s", "{:.0f}"), ("generated, of the fleet's ceiling", "share_of_ceiling",
+    "{:.2f}"), ("same, of the ceiling while busy", "share_of_busy_ceiling", "{:.2f}"),
+    ("prefill share of busy time", "prefill_stall_share", "{:.3f}"),
+    ("utilization", "utilization", "{:.2f}"), ("busy", "busy_fraction", "{:.2f}"),
+    ("running while busy", "mean_batch_size", "{:.2f}"), ("waiting", "mean_waiting_requests", "{:.0f}"),
+    ("KV-blocked", "kv_blocked_share", "{:.2f}"), ("live trajectories", "live_trajectories_mean", "{:.0f}"),
     ("cached after turn 1", "cached_share_after_turn1", "{:.3f}"),
     ("same, no update between", "cached_share_after_turn1_steady", "{:.3f}"),
     ("cached of reusable", "cached_share_of_reusable", "{:.3f}"),

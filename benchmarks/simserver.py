@@ -43,7 +43,9 @@ kept by events, not steps (`CachedServer`): running requests advance together at
 `decode_a + decode_b * running` seconds, stalled while a prefill of `prefill_s_per_token` per uncached token runs;
 one timer per server fires at the next finish. `GET /s/i/get_load` answers as SGLang's `/get_load` does (one
 entry per data-parallel rank: `num_reqs`, `num_waiting_reqs`, `num_tokens`); `GET /stats` gives each server's
-measurements and their sum, `POST /stats/reset` and `POST /sim/reset` act on every server.
+measurements and their sum (these also count `waiting_seconds`, the time-integral of requests waiting, and
+`blocked_slot_seconds`, of slots free while the queue's head waits for KV room; `kv_blocked_share` is the latter
+over all slot time), `POST /stats/reset` and `POST /sim/reset` act on every server.
 """
 
 from __future__ import annotations
@@ -485,6 +487,14 @@ class KVCache:
         self.evictable.clear()
 
 
+@dataclass(slots=True)
+class FleetStats(Stats):
+    """A `CachedServer`'s measurements: a `Stats`, and what waits to be admitted."""
+
+    waiting_seconds: float = 0.0  # time-integral of requests waiting to be admitted
+    blocked_slot_seconds: float = 0.0  # time-integral of free slots while requests wait (no KV room for the head)
+
+
 @dataclass(slots=True, eq=False)
 class Job:
     """A request on a `CachedServer`: it generates `num_tokens` of `stream` from `offset` on."""
@@ -521,7 +531,8 @@ class CachedServer:
         self._last = time.monotonic()
         self._stall_until = 0.0  # a prefill runs until then: no decoding
         self._timer: asyncio.TimerHandle | None = None
-        self.stats = Stats()
+        self._kv_blocked = False  # the head of the queue waits for KV room (as of the last admission)
+        self.stats = FleetStats()
 
     # -- time --------------------------------------------------------------------------------------------------
     def _step_seconds(self) -> float:
@@ -532,6 +543,10 @@ class CachedServer:
         elapsed = now - self._last
         if elapsed <= 0:
             return
+        if self.waiting:
+            self.stats.waiting_seconds += len(self.waiting) * elapsed
+            if self._kv_blocked and not self.paused:
+                self.stats.blocked_slot_seconds += (self.config.max_running - len(self.running)) * elapsed
         if self.running:
             self.stats.running_seconds += len(self.running) * elapsed
             self.stats.busy_seconds += elapsed
@@ -571,11 +586,13 @@ class CachedServer:
 
     def _admit(self, now: float) -> None:
         uncached = 0
+        self._kv_blocked = False
         while self.waiting and len(self.running) < self.config.max_running:
             job = self.waiting[0]
             job.hashes = chain(job.input_ids, self.epoch)
             lease = self.cache.allocate(job.hashes, len(job.input_ids) + job.num_tokens)
             if lease is None:
+                self._kv_blocked = True
                 break  # first come, first served: the head waits for room
             self.waiting.popleft()
             job.lease, job.is_running, job.started_v = lease, True, self.v
@@ -684,12 +701,13 @@ class CachedServer:
 
     def reset_stats(self) -> None:
         self._advance(time.monotonic())
-        self.stats = Stats()
+        self.stats = FleetStats()
         self.cache.num_evicted = 0
 
 
 SUMMED = ("running_seconds", "busy_seconds", "num_requests", "num_aborted", "generated_tokens", "aborted_tokens",
-          "prefill_tokens", "cached_tokens", "num_running", "num_waiting", "num_evicted_blocks")  # fmt: skip
+          "prefill_tokens", "cached_tokens", "num_running", "num_waiting", "num_evicted_blocks",
+          "waiting_seconds", "blocked_slot_seconds")  # fmt: skip
 
 
 class Fleet:
@@ -779,6 +797,7 @@ class Fleet:
         total.update(
             wall_seconds=wall, servers=len(each), max_running=self.config.max_running,
             utilization=total["running_seconds"] / capacity if capacity else 0.0,
+            kv_blocked_share=total["blocked_slot_seconds"] / capacity if capacity else 0.0,
             busy_fraction=total["busy_seconds"] / (len(each) * wall) if wall else 0.0,
             mean_batch_size=total["running_seconds"] / total["busy_seconds"] if total["busy_seconds"] else 0.0,
         )  # fmt: skip

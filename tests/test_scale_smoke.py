@@ -11,6 +11,8 @@ from benchmarks.scale import SIZES, main
 KEYS = (
     "trained_tokens_per_s", "utilization", "cached_share_after_turn1", "cached_share_after_turn1_steady",
     "cached_share_of_reusable", "cpu_ms_per_turn", "rss_kib_per_trajectory", "loop_lag_ms_p50", "loop_lag_ms_p99",
+    "share_of_ceiling", "busy_fraction", "mean_batch_size", "kv_blocked_share", "mean_waiting_requests",
+    "live_trajectories_mean", "share_of_busy_ceiling", "prefill_stall_share",
 )  # fmt: skip
 
 
@@ -24,6 +26,12 @@ def test_the_scale_benchmark_compares_the_policies_and_writes_its_report(tmp_pat
         assert all(key in m for key in KEYS), name
         assert m["trained_tokens"] > 0 and 0 < m["utilization"] <= 1, name
         assert 0 <= m["loop_lag_ms_p50"] <= m["loop_lag_ms_p99"], name
+        # no policy generates past the fleet's ceiling; utilization is time busy x requests running while busy
+        assert 0 < m["share_of_ceiling"] <= m["share_of_busy_ceiling"] <= 1, name
+        assert 0 < m["prefill_stall_share"] < 1, name
+        running = m["busy_fraction"] * m["mean_batch_size"] / size.server.max_running
+        assert m["utilization"] == pytest.approx(running, rel=1e-6), name
+        assert 0 < m["live_trajectories_mean"] <= size.in_flight, name
         # every returned trajectory ended in one status, and each rollout call returned its groups in full
         assert sum(m["statuses"].values()) == m["num_trajectories"] >= size.target_groups * size.n_samples
         assert m["num_trajectories"] % size.n_samples == 0

@@ -124,10 +124,32 @@ async def test_requests_wait_while_the_kv_cache_is_full_and_get_load_says_so():
                 [load] = (await client.get("/s/0/get_load")).json()
                 assert load["num_reqs"] == 2 and load["num_waiting_reqs"] == 1
                 assert 2000 <= load["num_tokens"] <= 2048
+            stats = (await client.get("/stats")).json()
     assert all(r.finish_reason == "stop" and len(r.token_ids) == 20 for r in results.values())
     # the third ran after one of the first two ended: it started 20 steps (0.2 s) later
     latencies = sorted(r.meta["e2e_latency"] for r in results.values())
-    assert latencies[2] >= latencies[0] + 0.15
+    waited = latencies[2] - latencies[0]
+    assert waited >= 0.15
+    # it waited with 6 of the 8 slots free: for KV room, not for a slot
+    assert stats["waiting_seconds"] == pytest.approx(waited, abs=0.05)
+    assert stats["blocked_slot_seconds"] == pytest.approx(6 * waited, abs=0.3)
+    assert stats["kv_blocked_share"] > 0
+
+
+@pytest.mark.anyio
+async def test_a_request_waiting_for_a_slot_is_not_counted_as_blocked_by_kv():
+    async with (
+        fleet(max_running=1, decode_a=0.01) as (_, url),
+        SGLangBackend(f"{url}/s/0") as backend,
+        httpx2.AsyncClient(base_url=url) as client,
+    ):
+        async with anyio.create_task_group() as tg:
+            for i in range(2):
+                tg.start_soon(backend.generate, prompt(i, 100), PARAMS)
+        stats = (await client.get("/stats")).json()
+    # one ran 20 steps (0.2 s) while the other waited for the one slot, with KV room to spare
+    assert stats["waiting_seconds"] >= 0.15
+    assert stats["blocked_slot_seconds"] == 0 and stats["kv_blocked_share"] == 0
 
 
 @pytest.mark.anyio
