@@ -22,7 +22,7 @@ Per policy (report.json, report.md):
   utilization                 time-integral of running requests / (servers x max_running x wall time); it is
                               busy_fraction (share of server time with a request running) x mean_batch_size
                               (requests running while busy) / max_running
-  mean_waiting_requests       requests waiting in the servers' queues, on average over the run; kv_blocked_share:
+  mean_waiting_requests       requests waiting in all the servers' queues together, on average; kv_blocked_share:
                               the share of slots free while requests waited for KV room (0: queues wait for slots)
   cached_share_after_turn1    cached / prompt tokens over the requests after a trajectory's first; also
                               `..._steady`, leaving out each trajectory's first request after a weight update;
@@ -389,8 +389,9 @@ def _line(m: dict[str, Any]) -> str:
 
 
 COLUMNS = (
-    ("trained tok/s", "trained_tokens_per_s", "{:.0f}"), ("generated, of the fleet's ceiling", "share_of_ceiling",
-    "{:.2f}"), ("same, of the ceiling while busy", "share_of_busy_ceiling", "{:.2f}"),
+    ("trained tok/s", "trained_tokens_per_s", "{:.0f}"),
+    ("generated, of the fleet's ceiling", "share_of_ceiling", "{:.2f}"),
+    ("same, of the ceiling while busy", "share_of_busy_ceiling", "{:.2f}"),
     ("prefill share of busy time", "prefill_stall_share", "{:.3f}"),
     ("utilization", "utilization", "{:.2f}"), ("busy", "busy_fraction", "{:.2f}"),
     ("running while busy", "mean_batch_size", "{:.2f}"), ("waiting", "mean_waiting_requests", "{:.0f}"),
