@@ -295,6 +295,8 @@ async def run_policy(
     await backend.aclose()
     c = backend.counts
     per_server = fleet.pop("per_server")
+    generated_per_s = fleet["generated_tokens"] / wall
+    share_of_ceiling = generated_per_s / fleet_ceiling(size)
     return {
         "trained_tokens_per_s": trained / wall,
         "utilization": fleet["utilization"],
@@ -302,12 +304,8 @@ async def run_policy(
         "mean_batch_size": fleet["mean_batch_size"],
         "kv_blocked_share": fleet["kv_blocked_share"],
         "mean_waiting_requests": fleet["waiting_seconds"] / fleet["wall_seconds"] if fleet["wall_seconds"] else 0.0,
-        "share_of_ceiling": fleet["generated_tokens"] / wall / fleet_ceiling(size),
-        "share_of_busy_ceiling": (
-            fleet["generated_tokens"] / wall / (fleet_ceiling(size) * fleet["busy_fraction"])
-            if fleet["busy_fraction"]
-            else 0.0
-        ),
+        "share_of_ceiling": share_of_ceiling,
+        "share_of_busy_ceiling": share_of_ceiling / fleet["busy_fraction"] if fleet["busy_fraction"] else 0.0,
         "prefill_stall_share": (
             fleet["prefill_tokens"] * size.server.prefill_s_per_token / fleet["busy_seconds"]
             if fleet["busy_seconds"]
@@ -326,7 +324,7 @@ async def run_policy(
         "loop_lag_ms_max": monitor.percentile_ms(100),
         "wall_seconds": wall,
         "num_weight_updates": num_updates,
-        "generated_tokens_per_s": fleet["generated_tokens"] / wall,
+        "generated_tokens_per_s": generated_per_s,
         "trained_tokens": trained,
         "num_trajectories": num_trajectories,
         "statuses": statuses,
