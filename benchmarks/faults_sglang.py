@@ -23,6 +23,7 @@ start, so the cases that would are skipped, saying so.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 from collections.abc import AsyncIterator
@@ -32,8 +33,15 @@ from typing import Any
 import anyio
 
 from benchmarks.faultproxy import FaultProxy, ProxyFaults
-from benchmarks.faults_servers import ProcessUnavailable, ServerFront, get_json, post_json
-from tests.sglang_cpu.server import SGLangServer, SGLangUnavailable, is_installed, model_dir, venv_dir
+from benchmarks.faults_servers import ProcessUnavailable, ServerFront, get_json
+from tests.sglang_cpu.server import (
+    SGLangServer,
+    SGLangUnavailable,
+    is_installed,
+    model_dir,
+    update_weights_as_slime,
+    venv_dir,
+)
 
 MODEL = "tiny-qwen2.5-vl"
 CONTROL_TIMEOUT_S = 120.0  # a weight reload or an abort on a busy 2-core machine
@@ -130,15 +138,16 @@ class SGLangServers:
         return self._weights_path
 
     async def reset(self, server: Any, *, seed: int) -> None:
-        """A fresh start for a case: weight version v0 (a real reload) and nothing left running."""
+        """A fresh start for a case: weight version v0 (a real reload), nothing left running (the update's pause
+        aborts every request on the server)."""
         await self.update_weights(server, "v0")
-        await post_json(server.url, "/abort_request", {"abort_all": True}, timeout=CONTROL_TIMEOUT_S)
 
     async def update_weights(self, server: Any, version: str) -> None:
-        body = {"model_path": await self.weights_path(server), "weight_version": version}
-        reply = await post_json(server.url, "/update_weights_from_disk", body, timeout=CONTROL_TIMEOUT_S)
-        if not (isinstance(reply, dict) and reply.get("success")):
-            raise RuntimeError(f"SGLang at {server.url} refused the weight update to {version}: {reply}")
+        """A reload of the served directory, in the calls slime's trainer makes (raises RuntimeError if refused)."""
+        update = functools.partial(
+            update_weights_as_slime, server.url, await self.weights_path(server), version, timeout=CONTROL_TIMEOUT_S
+        )
+        await anyio.to_thread.run_sync(update)
 
     @contextlib.asynccontextmanager
     async def front(self, server: Any, faults: dict[str, float], *, seed: int) -> AsyncIterator[ServerFront]:

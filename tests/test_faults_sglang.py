@@ -5,9 +5,13 @@ proxy on its own in front of the real server: replies pass through unchanged, or
 client classifies (tests/test_faults_smoke.py checks it without a server).
 
 The two fault cases run at higher rates than the suite's (20% of env steps, 25% of /generate requests), so that
-a smoke-sized run, a few dozen calls, draws them every time. The env is declared replay safe, so a failed step is
-retried: an env that is not ends its trajectory at its first fault, and at 30% a step of 4 trajectories then had
-more than half of them FAILED often enough that both steps were refused and nothing trained.
+a smoke-sized run, a few dozen calls, draws them. The proxy draws in the order requests arrive, from a generator
+seeded with the suite's seed, and how many requests a run makes depends on its trajectories' turns (under 26 in
+one run, over 43 in another). So the suite runs with seed 1, whose first draw is a fault: the run's first
+/generate is answered 503 however many follow (seed 0's first 25 draws are none). The env is declared replay
+safe, so a failed step is retried: an env that is not ends its trajectory at its first fault, and at 30% a step of
+4 trajectories then had more than half of them FAILED often enough that both steps were refused and nothing
+trained.
 
 One SGLang server is started for the module (about 25 s on an idle 2-core machine, far longer on a busy one);
 without the SGLang venv the tests skip, saying why (fail under TURNSTILE_REQUIRE_SGLANG=1).
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 from dataclasses import replace
 
 import anyio
@@ -33,6 +38,7 @@ from engine.errors import BackendError, ErrorClass
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
 SIZE = SGLANG_SIZES["smoke"]
+SEED = 1  # random.Random(1).random() is 0.134: the server case's first /generate is a fault
 BY_NAME = {case.name: case for case in CASES}
 ENV_CASE = replace(
     BY_NAME["env_exception_10pct_replay_safe"], name="env_exception_20pct_replay_safe",
@@ -71,7 +77,7 @@ def report(sglang_server, tmp_path_factory):
 
     out = tmp_path_factory.mktemp("faults-sglang")
     servers = SGLangServers(url=sglang_server.url)
-    done = anyio.run(lambda: run_suite(SIZE, [ENV_CASE, SERVER_CASE], workdir=out, servers=servers))
+    done = anyio.run(lambda: run_suite(SIZE, [ENV_CASE, SERVER_CASE], seed=SEED, workdir=out, servers=servers))
     write_outputs(done, out)
     return json.loads((out / "report.json").read_text()), out
 
@@ -110,6 +116,7 @@ def test_env_exceptions_are_counted_under_their_class(report):
 
 
 def test_server_errors_from_the_proxy_are_counted_under_their_class(report):
+    assert random.Random(SEED).random() < SERVER_CASE.server_faults["error_rate"]  # the proxy's first draw
     entry = report[0]["faults"][SERVER_CASE.name]
     injected = entry["injected"]["server"]
     assert injected["server_error"] > 0 and injected["malformed"] == 0, injected

@@ -13,14 +13,13 @@ import re
 from types import SimpleNamespace
 
 import anyio
-import httpx2
 import pytest
 
 from bridge.convert import Sample
 from bridge.slime import SERVICE_ATTRIBUTE, generate, generate_rollout
 from engine.envs.arith import make_prompts
 from tests.envs.gated import GATE
-from tests.sglang_cpu.server import SGLangServer
+from tests.sglang_cpu.server import SGLangServer, update_weights_as_slime
 
 pytestmark = pytest.mark.sglang
 
@@ -136,12 +135,7 @@ def test_generate_rollout_against_a_real_sglang_server(server):
             returned += [s for g in out.samples for s in g]
             assert out.metrics["multi_turn/turns/mean"] > 1
             # the trainer's weight update, as slime does it: straight to the server, not through the rollout
-            reply = httpx2.post(
-                f"{server.url}/update_weights_from_disk",
-                json={"model_path": str(server.model_path), "weight_version": f"v{step + 1}"},
-                timeout=120,
-            )
-            assert reply.json()["success"], reply.text
+            update_weights_as_slime(server.url, server.model_path, f"v{step + 1}")
             if step == 0:  # group HELD is mid-episode, its env live, one turn generated before the update
                 assert HELD in source.handed_out and HELD not in [g[0].group_index for g in out.samples]
                 GATE.release()
@@ -172,7 +166,12 @@ def test_generate_rollout_against_a_real_sglang_server(server):
     failing = [s for s in returned if s.index % 13 == 7]
     flaky = [s for s in returned if s.index % 5 == 1 and s.index % 13 != 7]
     assert all(s.status.value == "failed" and s.remove_sample for s in failing)
-    assert all(s.status.value != "failed" for s in flaky)
+    # the model's random weights now and then sample `<|video_pad|>`, which SGLang refuses in the next turn's prompt
+    # (HTTP 400, "No data iterator found for token"): a CLIENT error, that trajectory alone FAILED
+    refused = [s for s in flaky if "No data iterator found for token" in str(s.metadata.get("failure"))]
+    assert all(s.status.value != "failed" for s in flaky if s not in refused), [
+        (s.index, s.metadata.get("failure"), s.metadata["retries"]) for s in flaky if s.status.value == "failed"
+    ]
     # one env_exception retry each, in the first turn; a busy server may add retries of its own classes
     assert all(s.metadata["retries"].get("env_exception") == 1 for s in flaky), [s.metadata["retries"] for s in flaky]
     assert all(s.metadata["turns"][0]["retries"] >= 1 for s in flaky), [s.metadata["turns"][0] for s in flaky]

@@ -22,6 +22,9 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
+
+import httpx2
 
 from engine.models import cache_dir, load_model, load_processor, load_tokenizer, save_atomically
 from tests.net import free_port
@@ -104,6 +107,31 @@ def _server_env() -> dict[str, str]:
     env["SGLANG_USE_CPU_ENGINE"] = "1"
     env.pop("VIRTUAL_ENV", None)
     return env
+
+
+def update_weights_as_slime(url: str, model_path: str | Path, version: str, *, timeout: float = 120.0) -> dict:
+    """The trainer's weight update of one engine, in the calls slime makes (slime/ray/actor_group.py at 624b824):
+    POST /pause_generation (SGLang's default mode aborts what runs), flush the cache, POST
+    /update_weights_from_disk, POST /continue_generation. Returns the update's reply; raises RuntimeError naming
+    the call SGLang refused and its reply.
+
+    The flush comes first because SGLang is not idle for a moment after a request ends, and an update's own flush
+    then fails the update ("the cache was not flushed because requests are still running or queued"). slime
+    retries GET /flush_cache until it answers 200; SGLang's `timeout` query has the server wait for idle instead.
+    """
+    with httpx2.Client(base_url=url, trust_env=False, timeout=timeout) as client:
+
+        def call(method: str, path: str, body: dict[str, Any] | None = None, **params: Any) -> httpx2.Response:
+            reply = client.request(method, path, json=body, params=params)
+            if reply.status_code != 200:  # a refused update is HTTP 400 with `success: false`
+                raise RuntimeError(f"SGLang at {url} refused {method} {path} (HTTP {reply.status_code}): {reply.text}")
+            return reply
+
+        call("POST", "/pause_generation", {})
+        call("GET", "/flush_cache", timeout=timeout / 2)
+        update = call("POST", "/update_weights_from_disk", {"model_path": str(model_path), "weight_version": version})
+        call("POST", "/continue_generation", {})
+        return update.json()
 
 
 class SGLangServer(ServerProcess):
