@@ -96,7 +96,8 @@ SGLANG_COVERS = (
     "server; 5xx and malformed replies injected into the real server's replies by a proxy in front of it "
     "(benchmarks/faultproxy.py); the server SIGKILLed mid-step and a new one started on its port (a real restart); "
     "a second real server, behind real sglang-router or in a BackendPool, SIGKILLed for good. Each case starts at "
-    "weight version v0 and each step ends with a real /update_weights_from_disk of the model's own directory; "
+    "weight version v0 and each step ends with a real weight update (slime's calls: pause, flush, "
+    "/update_weights_from_disk of the model's own directory, continue); "
     "what was injected is counted by the proxy, not read from the server."
 )
 SGLANG_DIFFERS = (

@@ -4,13 +4,16 @@ tiny random-weight Qwen2.5-VL model (tests/sglang_cpu/server.py, its own venv), 
 What the suite asks of its servers, and how a real one gives it (`SimServers` in benchmarks/faults_servers.py is
 the simulated counterpart):
 
-  a fresh start per case   POST /update_weights_from_disk with the model's own directory and weight version
-                           "v0" (a real reload), then POST /abort_request {"abort_all": true}: nothing of the
-                           case before is left running, and every case starts at v0
+  a weight update          in the calls slime's trainer makes (tests/sglang_cpu/server.py,
+                           `update_weights_as_slime`): POST /pause_generation, which aborts every request on
+                           the server, GET /flush_cache once it is idle, POST /update_weights_from_disk with the
+                           model's own directory, POST /continue_generation
+  a fresh start per case   a weight update to "v0" (a real reload): nothing of the case before is left running,
+                           and every case starts at v0
   5xx, malformed replies   benchmarks/faultproxy.py in front of the server: the real server's replies are what
                            gets corrupted; the engine is given the proxy's URL
   what was injected        counted by the proxy (the client side), not read from the server
-  a weight update a step   the model's own directory again, with the step's version (the suite posts it)
+  a weight update a step   the same, with the step's version
   a restart                SIGKILL to the server's process group (the HTTP server, scheduler and detokenizer
                            processes), a new server on the same port, then the weight version it had
   two servers              the suite's server and a second one started beside it for the case; the second is the
