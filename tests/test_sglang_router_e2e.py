@@ -30,7 +30,6 @@ from tests.test_sglang_e2e import VisionDataSource
 pytestmark = pytest.mark.sglang
 
 N_SAMPLES, TARGET, STEPS = 2, 2, 3
-FOREIGN_RID = "someone-else-0001"
 FOREIGN_TOKENS = 600  # a long generation of another client on worker 0, in flight while the rollout aborts its own
 
 
@@ -61,7 +60,7 @@ def sessions_by_worker(workers) -> dict[str, set[int]]:
 def foreign_generation(url: str, out: dict) -> None:
     """Another client's request on the same worker, with an id of its own."""
     body = {
-        "text": "a long story:", "rid": FOREIGN_RID, "return_logprob": False,
+        "text": "a long story:", "rid": "someone-else-0001", "return_logprob": False,
         "sampling_params": {"max_new_tokens": FOREIGN_TOKENS, "ignore_eos": True, "temperature": 1.0},
     }  # fmt: skip
     out["reply"] = httpx2.post(f"{url}/generate", json=body, timeout=600).json()
