@@ -127,6 +127,7 @@ class ChatEncoder:
         self._with_tools: dict[str, ChatEncoder] = {}  # tools (as JSON) -> an encoder that renders them
         self._dummy = self._dummy_conversation()
         self.end_of_turn_id, self._end_of_turn_text = self._find_end_of_turn()
+        self.vision_token_ids = self._find_vision_tokens()
 
     # -- public ---------------------------------------------------------------------------------------
     @property
@@ -292,6 +293,26 @@ class ChatEncoder:
                 "delta encoding needs one to split turns"
             )
         return first[0], token
+
+    def _find_vision_tokens(self) -> frozenset[int]:
+        """Tokens only the VLM processor writes, never the model: the image and video placeholders, and
+        the added tokens the chat template marks an image with (Qwen-VL's `<|vision_start|>` and
+        `<|vision_end|>`). Empty without a processor. A model turn that samples one is cut before it
+        (`engine.turn.generate_turn`): sent back to the server or the trainer, its tokens would no longer
+        match the images."""
+        if self.processor is None:
+            return frozenset()
+        ids = {getattr(self.processor, name, None) for name in ("image_token_id", "video_token_id")} - {None}
+        text = {"type": "text", "text": "x"}
+        image = [{"role": "user", "content": [{"type": "image"}, text]}]
+        try:
+            with_image = self.render(image, add_generation_prompt=False)
+            without = self.render([{"role": "user", "content": [text]}], add_generation_prompt=False)
+        except Exception:  # noqa: BLE001 -- a template without image parts marks no image: the placeholders only
+            return frozenset(ids)
+        marks = set(self.tokenizer.encode(with_image, add_special_tokens=False))
+        marks -= set(self.tokenizer.encode(without, add_special_tokens=False))
+        return frozenset(ids | (marks & set(self.tokenizer.added_tokens_decoder)))
 
     def _prefix_for(self, message: dict[str, Any]) -> str:
         """The rendered dummy turns before a message of this role, found once per role by rendering one

@@ -34,6 +34,9 @@ class ErrorClass(StrEnum):
     # encoding of an observation (an image that does not decode, a template that fails)
     BAD_OBSERVATION = "bad_observation"
     BAD_PROMPT = "bad_prompt"  # a prompt row the template or the processor cannot encode
+    # the model sampled a token only the VLM processor writes (an image or video placeholder): sent back
+    # to the server or to the trainer, it would not match the images
+    BAD_RESPONSE = "bad_response"
     # scoring a finished trajectory or group: the reward function raised or did not answer in time
     REWARD = "reward"
     # the LLM judge gave no score: its reply did not parse, or its server failed past the judge's own
@@ -66,6 +69,7 @@ def stage_of(error_class: ErrorClass) -> Stage:
 _STAGE_OF_CLASS = {
     ErrorClass.BAD_OBSERVATION: Stage.ENCODE,
     ErrorClass.BAD_PROMPT: Stage.ENCODE,
+    ErrorClass.BAD_RESPONSE: Stage.ENCODE,
     ErrorClass.REWARD: Stage.REWARD,
     ErrorClass.JUDGE: Stage.REWARD,
     ErrorClass.FILTER: Stage.FILTER,
@@ -133,6 +137,13 @@ class PromptError(TurnError):
 
     def __init__(self, message: str):
         super().__init__(ErrorClass.BAD_PROMPT, message)
+
+
+class ResponseError(TurnError):
+    stage = Stage.ENCODE
+
+    def __init__(self, message: str):
+        super().__init__(ErrorClass.BAD_RESPONSE, message)
 
 
 class RewardError(TurnError):

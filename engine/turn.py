@@ -23,7 +23,7 @@ from typing import Any
 from engine.backends.base import Backend, GenerateResult, SamplingParams
 from engine.encoding import ChatEncoder
 from engine.envs.base import EnvRunner, StepResult
-from engine.errors import ObservationError, PromptError, TurnError
+from engine.errors import ObservationError, PromptError, ResponseError, TurnError
 from engine.trajectory import STOP_OF_STAGE, StopReason, Trajectory, Turn
 
 SPEC_KEYS = ("spec_accept_token_num", "spec_draft_token_num", "spec_verify_ct", "completion_tokens")
@@ -57,12 +57,20 @@ async def encode_prompt(trajectory: Trajectory, encoder: ChatEncoder) -> None:
 
 
 async def generate_turn(
-    trajectory: Trajectory, backend: Backend, sampling: SamplingParams, limits: TurnLimits, *, rid: str | None = None
+    trajectory: Trajectory,
+    backend: Backend,
+    sampling: SamplingParams,
+    limits: TurnLimits,
+    *,
+    rid: str | None = None,
+    encoder: ChatEncoder | None = None,
 ) -> GenerateResult:
     """Step 2: one generation request, its tokens appended with loss mask 1.
 
     A turn whose generation was aborted (finish reason `abort`) is continued with what is left of its
-    `max_new_tokens`, not started anew: partial rollout resumes trajectories mid-turn."""
+    `max_new_tokens`, not started anew: partial rollout resumes trajectories mid-turn. With `encoder`,
+    a token only its VLM processor writes (`ChatEncoder.vision_token_ids`: an early policy samples one
+    now and then) is a BAD_RESPONSE: the turn keeps the tokens before it, and its trajectory ends."""
     turn = _open_turn(trajectory)
     left = min(sampling.max_new_tokens - turn.num_generated, limits.remaining(trajectory))
     if left <= 0:
@@ -77,6 +85,16 @@ async def generate_turn(
         session_id=trajectory.session_id,
     )
     turn.generate_seconds += time.monotonic() - started
+    forbidden = encoder.vision_token_ids if encoder is not None else frozenset()
+    cut = next((i for i, token in enumerate(result.token_ids) if token in forbidden), None) if forbidden else None
+    if cut is not None:  # sent back, the turn's tokens would not match the images
+        sampled = result.token_ids[cut]
+        error = ResponseError(
+            f"turn {turn.index}: the model sampled {encoder.tokenizer.convert_ids_to_tokens(sampled)!r} "
+            f"(token {sampled}) at its token {turn.num_generated + cut}, a token only the VLM processor "
+            "writes; the turn is cut before it"
+        )
+        result = replace(result, token_ids=result.token_ids[:cut], logprobs=result.logprobs[:cut])
     trajectory.append_generation(result.token_ids, result.logprobs, result.weight_version)
     turn.num_generated += len(result.token_ids)
     turn.prompt_tokens += result.prompt_tokens
@@ -89,6 +107,8 @@ async def generate_turn(
     # SGLang checks aborts before the length cap: an abort can carry the turn's last allowed token
     aborted_at_cap = result.finish_reason == "abort" and turn.num_generated >= sampling.max_new_tokens
     turn.finish_reason = "length" if aborted_at_cap else result.finish_reason
+    if cut is not None:
+        raise error
     return result
 
 

@@ -35,6 +35,7 @@ GOOD = {"prompt": [{"role": "user", "content": "good"}], "metadata": {"case": "g
 NO_RETRY = "retry: {backoff_base_s: 0, per_turn: {}}\n"  # a failure ends its trajectory at once
 NO_BACKOFF = "retry: {backoff_base_s: 0}\n"  # the default budgets, retried at once
 QWEN = packaged_template("qwen2.5")
+IMAGE_PAD = 151655  # Qwen-VL's <|image_pad|>
 NO_GENERATION_PROMPT = QWEN.replace(
     "{%- if add_generation_prompt %}\n    {{- '<|im_start|>assistant\\n' }}", "{%- if 0 %}"
 )
@@ -823,6 +824,28 @@ def test_a_failed_reply_is_retried_within_its_class_budget(tmp_path, capsys):
         )
     assert code == 0 and {r["status"] for r in records} == {"completed"}, err
     assert sorted(r["metadata"].get("retries", {}).get("server", 0) for r in records) == [0, 1]
+
+
+def test_a_vision_token_the_model_samples_fails_its_trajectory_only(tmp_path, capsys):
+    """A random or early policy samples `<|image_pad|>`: sent back, SGLang could not match it to an image,
+    nor could the trainer. Its turn keeps the tokens before it; that trajectory ends, no other."""
+    rows, env = write_rows(tmp_path, GOOD, GOOD), write(tmp_path / "case_env.py", CASE_ENV)
+    with SGLangDouble() as server:
+        server.script(Generate(token_ids=[15, IMAGE_PAD, 16]))
+        code, records, err = run(
+            tmp_path, capsys, "--url", server.url, "--prompts", rows, "--env-path", env, "--vision"
+        )
+    assert code == 0, err
+    failed = only_bad_one_failed(records)
+    [error] = failed["errors"]
+    assert (failed["stop_reason"], error["class"], error["stage"]) == ("encode_error", "bad_response", "encode")
+    assert error["message"] == (
+        "turn 0: the model sampled '<|image_pad|>' (token 151655) at its token 1, a token only the VLM "
+        "processor writes; the turn is cut before it"
+    )
+    prompt_length = failed["prompt_length"]
+    assert failed["tokens"][prompt_length:] == [15] and failed["loss_mask"] == [1]
+    assert [turn["num_generated"] for turn in failed["turns"]] == [1]
 
 
 # -- the table ----------------------------------------------------------------------------------------

@@ -163,6 +163,20 @@ def test_vlm_observation_images_get_as_many_pads_as_the_grid_says(processor):
     assert encoded.train_inputs["pixel_values"].shape[0] == int(grid.prod(dim=1).sum())
 
 
+def test_the_tokens_only_the_processor_writes_are_its_image_marks_and_placeholders(processor, tokenizer):
+    """What a model turn may not sample (engine.turn.generate_turn cuts it there): every token an image
+    adds to the encoding, and the video placeholder; none for a text-only encoder."""
+    encoder = ChatEncoder(processor.tokenizer, processor=processor)
+    names = {processor.tokenizer.convert_ids_to_tokens(t) for t in encoder.vision_token_ids}
+    assert names == {"<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"}
+    image = {"role": "user", "content": [{"type": "image", "image": red_square(56)}, {"type": "text", "text": "x"}]}
+    added = set(encoder.encode_observation(image).token_ids) - set(
+        encoder.encode_observation({"role": "user", "content": "x"}).token_ids
+    )
+    assert added == encoder.vision_token_ids - {processor.video_token_id}
+    assert ChatEncoder(tokenizer).vision_token_ids == frozenset()
+
+
 def test_vlm_trajectory_is_exact_with_images_in_prompt_and_observations(processor):
     encoder = ChatEncoder(processor.tokenizer, processor=processor)
     prompt = [

@@ -98,19 +98,20 @@ def check_sample(sample: Sample, processor) -> None:
         if mask == 0:
             assert logprob == 0.0  # environment tokens: written directly, log-prob 0
         else:
-            assert token not in (pad, start)  # an image token is never the model's
+            assert token not in (pad, start)  # an image token is never the model's: a turn is cut before one
             assert logprob < 0.0  # the server's log-prob of a sampled token
-    if sample.status.value == "failed":
-        assert sample.remove_sample
-        return
-    assert sum(sample.loss_mask) > 0
-    # images: one in the prompt and one per observation, each expanded to what the merged inputs hold
+    # images: one in the prompt and one per observation, each expanded to what the merged inputs hold; a
+    # FAILED sample too, as slime runs a removed sample through the model with its loss mask zeroed
     train = sample.multimodal_train_inputs
     grid = train["image_grid_thw"]
     merge = processor.image_processor.merge_size
     assert grid.shape[0] == sample.tokens.count(start) == 1 + response.count(start)
     assert train["pixel_values"].shape[0] == int(grid.prod(-1).sum())
     assert sample.tokens.count(pad) == int(grid.prod(-1).sum()) // merge**2
+    if sample.status.value == "failed":
+        assert sample.remove_sample
+        return
+    assert sum(sample.loss_mask) > 0
     # the env kept its state: its attempts count up from 1 across every turn, pauses included
     attempts = [int(a) for a in ATTEMPT.findall(tokenizer.decode(response))]
     assert attempts == list(range(1, len(attempts) + 1)), attempts
@@ -163,16 +164,14 @@ def test_generate_rollout_against_a_real_sglang_server(server):
     assert {"v1", "v2"} <= versions
 
     # the env's failures: a failure retried once and recovered, an env that always fails ends FAILED
-    failing = [s for s in returned if s.index % 13 == 7]
-    flaky = [s for s in returned if s.index % 5 == 1 and s.index % 13 != 7]
-    assert all(s.status.value == "failed" and s.remove_sample for s in failing)
-    # the model's random weights now and then sample `<|video_pad|>`, which SGLang refuses in the next turn's prompt
-    # (HTTP 400, "No data iterator found for token"): a CLIENT error, that trajectory alone FAILED
-    refused = [s for s in flaky if "No data iterator found for token" in str(s.metadata.get("failure"))]
-    assert all(s.status.value != "failed" for s in flaky if s not in refused), [
-        (s.index, s.metadata.get("failure"), s.metadata["retries"])
-        for s in flaky
-        if s.status.value == "failed" and s not in refused
+    # the model's random weights now and then sample an image token (`<|vision_start|>`, `<|video_pad|>`): that
+    # trajectory alone ends FAILED (bad_response), maybe before its env failed as scripted
+    cut = [s for s in returned if "a token only the VLM processor writes" in str(s.metadata.get("failure"))]
+    failing = [s for s in returned if s.index % 13 == 7 and s not in cut]
+    flaky = [s for s in returned if s.index % 5 == 1 and s.index % 13 != 7 and s not in cut]
+    assert all(s.status.value == "failed" and s.remove_sample for s in failing + cut)
+    assert all(s.status.value != "failed" for s in flaky), [
+        (s.index, s.metadata.get("failure"), s.metadata["retries"]) for s in flaky if s.status.value == "failed"
     ]
     # one env_exception retry each, in the first turn; a busy server may add retries of its own classes
     assert all(s.metadata["retries"].get("env_exception") == 1 for s in flaky), [s.metadata["retries"] for s in flaky]
@@ -192,6 +191,9 @@ def test_custom_generate_function_against_a_real_sglang_server(server):
         out = anyio.run(generate, args, sample, {"temperature": 1.0, "max_new_tokens": 256})
     finally:
         getattr(args, SERVICE_ATTRIBUTE).shutdown()
-    assert out is sample and out.status.value in {"completed", "truncated"}
+    assert out is sample
     check_sample(out, processor)
+    if "a token only the VLM processor writes" in str(out.metadata.get("failure")):
+        pytest.skip(f"the random model sampled an image token, which ends the trajectory: {out.metadata['failure']}")
+    assert out.status.value in {"completed", "truncated"}, out.metadata.get("failure")
     assert len(out.metadata["turns"]) >= 2

@@ -27,7 +27,7 @@ from engine.backends.base import Backend, SamplingParams
 from engine.encoding import ChatEncoder
 from engine.envs.base import EnvRunner
 from engine.envs.deadlines import Deadlines
-from engine.errors import BackendError, EnvError, ErrorClass, InternalError, RewardError, TurnError
+from engine.errors import BackendError, EnvError, ErrorClass, InternalError, ResponseError, RewardError, TurnError
 from engine.metrics.events import Observer
 from engine.scheduler.partial import VersionClock
 from engine.scheduler.queue import Phase, Policy, PriorityLimiter, SchedulerStatistics, priority_key
@@ -198,7 +198,7 @@ class Scheduler:
         while True:
             stop = out_of_room(trajectory, self.limits)
             while stop is None:
-                stop = await self._generate(trajectory, env, budget, sampling, end_on_abort)  # 2, 3
+                stop = await self._generate(trajectory, env, budget, sampling, encoder, end_on_abort)  # 2, 3
                 if stop is None:
                     result = await self._env_call(
                         trajectory, budget, env, step, encoder=encoder, skip_special=skip_special
@@ -264,7 +264,13 @@ class Scheduler:
             self._phase_counts[phase] += 1
 
     async def _generate(
-        self, trajectory: Trajectory, env: _Env, budget: RetryBudget, sampling: SamplingParams, end_on_abort: bool
+        self,
+        trajectory: Trajectory,
+        env: _Env,
+        budget: RetryBudget,
+        sampling: SamplingParams,
+        encoder: ChatEncoder,
+        end_on_abort: bool,
     ) -> StopReason | None:
         """Steps 2 and 3: generate until the turn's generation is complete (a turn aborted by a pause is
         continued once generation resumes); then whether that ends the trajectory."""
@@ -279,13 +285,17 @@ class Scheduler:
             self._generating[rid] = trajectory
             self._set_phase(trajectory, Phase.GENERATING)
             try:
-                result = await generate_turn(trajectory, self.backend, sampling, self.limits, rid=rid)
+                result = await generate_turn(trajectory, self.backend, sampling, self.limits, rid=rid, encoder=encoder)
                 trajectory.turns[-1].queue_seconds += waited
                 foreign_abort = result.finish_reason == "abort" and not self.generation_slots.is_closed
                 if foreign_abort and not end_on_abort:
                     raise BackendError(
                         ErrorClass.SERVER, "the backend aborted the request while generation was not paused"
                     )
+            except ResponseError:  # the server answered; the model's turn is what cannot go on
+                self.breaker.record(True)
+                trajectory.turns[-1].queue_seconds += waited
+                raise
             except BackendError as exc:
                 self.breaker.record(False)
                 attempt = self._charge(trajectory, budget, exc)
