@@ -72,6 +72,7 @@ class FixedEncoder:
     """The parts of ChatEncoder the scheduler uses, with fixed token ids."""
 
     stop_token_ids = (STOP,)
+    vision_token_ids: frozenset[int] = frozenset()  # no VLM processor
 
     def encode_prompt(self, prompt, images=None) -> Encoded:
         return Encoded(PROMPT_IDS)
