@@ -1,13 +1,16 @@
 # The two set-up commands of the README: `make run` and `make test`. Each creates .venv and installs
-# what it needs on first use (torch and torchvision come from the wheels pinned in pyproject.toml).
+# what it needs on first use. torch and torchvision are installed first, at the versions whose wheels lie on
+# the build machines' disk (a bare `torch` pulls several GB of CUDA wheels); pyproject.toml only bounds them
+# from below, so that Turnstile installs beside the torch of slime's image.
 PYTHON ?= python3
 VENV := .venv
 INSTALLED := $(VENV)/.installed
 
-.PHONY: run test bench sglang
+.PHONY: run test bench sglang slime-image
 
 $(INSTALLED): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -qq --progress-bar off torch==2.14.1 torchvision==0.29.1
 	$(VENV)/bin/pip install -qq --progress-bar off -e '.[dev]'
 	touch $(INSTALLED)
 
@@ -21,6 +24,11 @@ test: $(INSTALLED)
 sglang: $(INSTALLED)
 	$(VENV)/bin/python -m tests.sglang_cpu.server install
 
+# The install test's venv with slime's image's torch, torchvision, transformers and numpy (cached under
+# $$TURNSTILE_CACHE; ~5 GB, about a minute on a fast link once).
+slime-image: $(INSTALLED)
+	$(VENV)/bin/python -m tests.slime_image install
+
 bench: $(INSTALLED)
 	mkdir -p reports
 	$(VENV)/bin/python -m benchmarks.encoding_speed --out reports/encoding_speed.json
@@ -30,3 +38,4 @@ bench: $(INSTALLED)
 	$(VENV)/bin/python -m benchmarks.overhead --out reports/overhead
 	$(VENV)/bin/python -m benchmarks.bridge_overhead --out reports/bridge_overhead.json
 	$(VENV)/bin/python -m benchmarks.longtail --size large --out reports/longtail
+	$(VENV)/bin/python -m benchmarks.hung_env --out reports/hung_env.json

@@ -18,8 +18,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-import torch
-
 QWEN_SPLIT_PATTERN = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
     r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
@@ -100,6 +98,7 @@ def load_processor(name: str = "qwen2.5-vl"):
 
 def load_model(name_or_path: str = "tiny-qwen2", *, seed: int = 0):
     """A causal LM in eval mode: a cached tiny random-weight model, or one saved at a path."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.utils import logging as hf_logging
 
@@ -126,6 +125,7 @@ def is_vision_model(name_or_path: str) -> bool:
 
 
 def _build_tiny_model(name: str, seed: int):
+    import torch
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)

@@ -6,7 +6,9 @@ image turn (tens of milliseconds for a 448x448 photo), so `ImagePayloads` keeps 
 image's pixels: an image is encoded once however many trajectories (a group's shared prompt image),
 turns or re-renders carry it. Training side: a `TrainInputBuffer` collects each turn's processor
 outputs (`pixel_values`, `image_grid_thw`, ...) and merges them once at the end, one `torch.cat` per
-key, instead of re-concatenating the growing tensors every turn.
+key, instead of re-concatenating the growing tensors every turn. torch is not imported here: a tensor
+can only come from a caller that has imported it (a processor, the local backend), and until then no
+value is one.
 """
 
 from __future__ import annotations
@@ -15,13 +17,13 @@ import base64
 import binascii
 import hashlib
 import io
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-import torch
 from PIL import Image, UnidentifiedImageError
 
 from engine.errors import ObservationError
@@ -210,6 +212,8 @@ def _merge_values(key: str, values: list[Any]) -> Any:
         raise TypeError(f"train input {key!r}: turns give different kinds of value ({', '.join(sorted(kinds))})")
     kind, first = kinds.pop(), values[0]
     if kind == "tensor":
+        import torch  # already imported: the values are its tensors
+
         try:
             return first if len(values) == 1 else torch.cat(values, dim=0)
         except RuntimeError as exc:
@@ -222,7 +226,8 @@ def _merge_values(key: str, values: list[Any]) -> Any:
 
 
 def _kind(value: Any) -> str:
-    if isinstance(value, torch.Tensor) and value.dim() > 0:
+    torch = sys.modules.get("torch")  # None until something imports torch; until then no value is a tensor
+    if torch is not None and isinstance(value, torch.Tensor) and value.dim() > 0:
         return "tensor"
     return "list" if isinstance(value, (list, tuple)) else "other"
 

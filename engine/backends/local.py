@@ -22,6 +22,7 @@ conversation each turn; each image's `pixel_values` and `image_grid_thw` are kep
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
@@ -126,6 +127,11 @@ class LocalBackend:
         self._max_batch_size, self._weight_version = max_batch_size, weight_version
         self._image_token_id = getattr(model.config, "image_token_id", None)
         self._rope_index = getattr(getattr(model, "model", None), "get_rope_index", None)
+        # the KV cache's argument, read off the model's class (a wrapped instance forward would hide it): `cache`
+        # from transformers 5.24 (`past_key_values` is deprecated there, gone in 5.40), before it `past_key_values`
+        # (slime's image: 5.12.1)
+        params = inspect.signature(type(model).forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self._batch = _Batch()
         self._waiting: list[_Request] = []
         self._live: set[_Request] = set()  # unresolved requests: waiting, prefilling or running
@@ -215,6 +221,9 @@ class LocalBackend:
     async def health(self) -> bool:
         return self._is_serving
 
+    async def health_problem(self) -> str | None:
+        return None if self._is_serving else "the local model has stopped serving"
+
     def statistics(self) -> LocalBackendStatistics:
         num_waiting = sum(not r.done.is_set() for r in self._waiting)
         num_running = len(self._live) - num_waiting
@@ -276,7 +285,8 @@ class LocalBackend:
             positions = (mask.cumsum(-1) - 1).clamp_(min=0)
         cache = DynamicCache(config=self._model.config)
         logits = self._model(
-            input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
+            input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+            **{self._cache_arg: cache},
             logits_to_keep=1, **vision,
         ).logits[:, -1]  # fmt: skip
         next_pos = positions.view(-1, len(rows), width).amax(dim=(0, 2)) + 1
@@ -286,7 +296,7 @@ class LocalBackend:
         batch.mask = F.pad(batch.mask, (0, 1), value=1)
         logits = self._model(
             input_ids=batch.last[:, None], attention_mask=batch.mask, position_ids=batch.next_pos[:, None],
-            cache=batch.cache, use_cache=True,
+            use_cache=True, **{self._cache_arg: batch.cache},
         ).logits[:, -1]  # fmt: skip
         batch.next_pos = batch.next_pos + 1
         return logits

@@ -1,0 +1,43 @@
+"""What importing Turnstile costs: torch and torchvision belong to the `torch` extra (the local backend, the tiny
+models, VLM processors' tensors), so the bridge, the engine, the SGLang backend and the CLI's parser import
+neither, and the text path over SGLang (tokenizer, chat encoder) works where torch is not installed at all.
+Each check runs in a fresh interpreter: this one has long since imported torch."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.conftest import REPO
+
+IMPORTS = "import bridge.slime, engine.engine, engine.backends.sglang, engine.cli; engine.cli.build_parser()"
+TORCH = ("torch", "torchvision")
+
+
+def run_python(code: str) -> str:
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.strip().splitlines()[-1]
+
+
+def test_the_bridge_engine_sglang_backend_and_cli_import_without_torch():
+    found = run_python(f"import sys, json; {IMPORTS}; print(json.dumps([m for m in {TORCH!r} if m in sys.modules]))")
+    assert json.loads(found) == []
+
+
+def test_the_text_path_over_sglang_works_where_torch_is_not_installed():
+    hidden = "import sys; sys.modules.update(dict.fromkeys(('torch', 'torchvision')))"  # None: import fails
+    code = f"""{hidden}
+import json
+{IMPORTS}
+from engine.encoding import ChatEncoder
+from engine.models import load_tokenizer
+encoder = ChatEncoder(load_tokenizer("qwen2.5"))
+prompt = encoder.encode_prompt([{{"role": "user", "content": "What is 2 + 2?"}}])
+observation = encoder.encode_observation({{"role": "user", "content": "4"}})
+print(json.dumps([encoder.response_text(prompt.token_ids, skip_special_tokens=False), len(observation.token_ids)]))
+"""
+    text, observed = json.loads(run_python(code))
+    assert "What is 2 + 2?" in text and text.endswith("<|im_start|>assistant\n")
+    assert observed > 0
