@@ -8,7 +8,7 @@ router launcher) are slime's side: Turnstile has nothing to do, and `how` says w
 Read from slime at `SLIME_COMMIT` (slime/utils/arguments.py, slime/backends/sglang_utils/arguments.py,
 and sglang-router 0.3.2's `RouterArgs` for `--router-policy`). `default` is what slime's `args` holds
 when the flag is not given, under slime's `dest`; `--rollout-batch-size` is required (no default).
-`markdown_table()` renders the registry for the README.
+`markdown_table()` renders the registry for docs/slime.md.
 """
 
 from __future__ import annotations
@@ -428,7 +428,7 @@ FLAGS: tuple[Flag, ...] = (
 
 
 def markdown_table() -> str:
-    """FLAGS as a GitHub markdown table, one row per flag, sorted by option (the README holds it)."""
+    """FLAGS as a GitHub markdown table, one row per flag, sorted by option (docs/slime.md holds it)."""
     rows = ["| option | handling | what Turnstile does |", "|---|---|---|"]
     for flag in sorted(FLAGS, key=lambda f: f.option):
         how = flag.how.replace("|", "\\|")
@@ -464,5 +464,5 @@ def check_args(args: Any) -> None:
         raise FlagError("Turnstile's rollout cannot run with these slime flags:\n  " + "\n  ".join(lines))
 
 
-if __name__ == "__main__":  # the README's table: python -m bridge.flags
+if __name__ == "__main__":  # docs/slime.md's table: python -m bridge.flags
     print(markdown_table(), end="")

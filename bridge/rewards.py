@@ -112,7 +112,7 @@ class SlimeScoring:
         """A trajectory whose conversion or sample hooks raised: FAILED, with the error recorded, as a
         Sample (`into`, when given) with its prompt and no response (`remove_sample` once settled)."""
         error = InternalError.of(exc, f"converting trajectory {trajectory.id} to a slime Sample").record(
-            len(trajectory.turns)
+            trajectory.current_turn
         )
         if trajectory.status in SCORED:
             trajectory.fail_after_end(error)

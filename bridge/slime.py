@@ -21,6 +21,7 @@ from __future__ import annotations
 import atexit
 from typing import Any
 
+from bridge.convert import sample_class
 from bridge.evaluation import eval_datasets
 from bridge.flags import FlagError, check_args
 from bridge.rewards import load_function
@@ -44,6 +45,7 @@ except ImportError:  # slime is not installed: the same shapes
 
 
 _EMBEDDED: dict[int, RolloutService] = {}  # args=None: one service per group size (see the module docstring)
+_EMBEDDED_SOURCE: dict[None, EmbeddedSource] = {}  # args=None and no data source: its prompts, held across steps
 SERVICE_ATTRIBUTE = "_turnstile_service"
 
 
@@ -58,6 +60,13 @@ def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: b
             raise FlagError("--group-rm: slime's eval scores samples one by one (its eval_rollout asserts no group_rm)")
         service = service_for(args, group_size=1)
         return RolloutFnEvalOutput(data=service.evaluate(eval_datasets(args, service.settings)), metrics=None)
+    if data_source is None:
+        if args is not None:
+            raise ValueError(
+                "generate_rollout: data_source is None: slime passes its RolloutDataSource; "
+                "call it with one, or with args=None and no data source for the embedded default"
+            )
+        data_source = _EMBEDDED_SOURCE.setdefault(None, EmbeddedSource())
     first = data_source.get_samples(1) if args is None else []  # args=None: learn the group size from the data
     service = service_for(args, group_size=len(first[0]) if first else None)
     target = service.settings.target_groups
@@ -88,6 +97,38 @@ async def generate(args: Any, sample: Any, sampling_params: dict[str, Any], eval
     """slime's custom generate function: one multi-turn trajectory for `sample`, through the same
     engine (slots, retries, metrics) as `generate_rollout`. Returns the Sample, filled."""
     return await service_for(args, group_size=1).agenerate(sample, sampling_params)
+
+
+class EmbeddedSource:
+    """The embedded default's data source, in slime's shape: `get_samples(n)` gives n groups of
+    `n_samples_per_prompt` Samples of one prompt each, from the built-in arithmetic env's own prompts."""
+
+    def __init__(self, n_samples_per_prompt: int = 4, seed: int = 0):
+        from engine.envs import arith
+
+        self.n_samples_per_prompt, self.seed, self._make_prompts = n_samples_per_prompt, seed, arith.make_prompts
+        self._next = 0
+
+    def get_samples(self, num: int) -> list[list[Any]]:
+        sample = sample_class()
+        rows = self._make_prompts(self._next + num, seed=self.seed)[self._next :]
+        groups = []
+        for group_index, row in enumerate(rows, start=self._next):
+            first = group_index * self.n_samples_per_prompt
+            groups.append(
+                [
+                    sample(
+                        group_index=group_index,
+                        index=first + i,
+                        prompt=row["prompt"],
+                        label=row.get("label"),
+                        metadata=dict(row.get("metadata") or {}),
+                    )
+                    for i in range(self.n_samples_per_prompt)
+                ]
+            )
+        self._next += num
+        return groups
 
 
 def service_for(args: Any, *, group_size: int | None) -> RolloutService:

@@ -19,26 +19,29 @@ import json
 import os
 import socket
 import sys
+import threading
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AsyncExitStack, nullcontext
 from dataclasses import replace
 from enum import Enum
 from pathlib import Path
 from types import SimpleNamespace, UnionType
-from typing import Annotated, Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, NoReturn, Union, get_args, get_origin
 
 import anyio
+import httpx2
 import jinja2
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 
-from engine import template_check
+from engine import show, template_check
 from engine.backends.base import Backend
 from engine.config import RETRY_FLAGS, Flag, Settings, load_yaml, marker, problems, read_yaml
 from engine.encoding import ChatEncoder
 from engine.engine import RolloutEngine
+from engine.envs.base import AbandonedCalls
 from engine.envs.loader import EnvFactory, hosted, load_env_module
 from engine.errors import BackendError
 from engine.metrics.live import LiveView
@@ -49,15 +52,22 @@ from engine.source import jsonl_rows
 from engine.trajectory import Status, Trajectory
 
 SETTINGS_EPILOG = "Every setting, its default and what it does: docs/settings.md (python -m engine.config)."
+# `turnstile run`'s own options, which its --config YAML may give by name too (a flag overrides it), and defaults
+RUN_OPTIONS: dict[str, Any] = {"num_prompts": 16, "prompts": None, "out": "out/trajectories.jsonl", "text": True}
+EXIT_WAIT_S = 3.0  # at exit, how long to wait for env calls still running past their timeout
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # told by the command's own parser, after its own (short) usage line
+        args.command_parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "serve":
         return _serve(args)
     if args.command == "check-template":
         return template_check.main(args)
+    if args.command == "show":
+        return show.main(args)
     try:  # everything a run reads is checked, and loaded, before it starts
         config = settings_from_flags(args)
         _check_run(config)
@@ -76,14 +86,56 @@ def main(argv: list[str] | None = None) -> int:
             ray_address=config.ray_address,
         )
     except (ValueError, OSError) as exc:  # bad settings, prompts, env, tokenizer, template, model: one error
-        parser.error(_describe(exc))
+        _refuse(_describe(exc))
+    ran: list[RolloutEngine] = []  # the engine, once built: what it leaves running is said at exit
     try:
-        return anyio.run(_run, config, rows, make_env, args.out, encoder, model)
+        return anyio.run(_run, config, rows, make_env, args, encoder, model, ran)
     except BackendError as exc:  # the backend failed outside any trajectory (as the engine started): one line
         print(f"turnstile: {exc.message}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        where = "" if args.out == "-" else f"; the trajectories that ended are in {args.out}"
+        print(f"turnstile: interrupted{where}", file=sys.stderr)
+        return 130
     finally:
         make_env.close()  # env workers, when the envs run in them
+        if ran:
+            _wait_for(ran[0].abandoned_env_calls)
+
+
+def console() -> None:
+    """The `turnstile` command. Once `main` has returned (and said what it leaves running), the process
+    exits without waiting for threads still running: an env call past its timeout is not worth a hang."""
+    try:
+        code = main()
+    except KeyboardInterrupt:  # before the run started (loading a model, say)
+        print("turnstile: interrupted", file=sys.stderr)
+        code = 130
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
+        os._exit(code)
+    sys.exit(code)
+
+
+def _refuse(message: str) -> NoReturn:
+    """One error about the run's input, and exit status 2, before anything starts."""
+    print(f"turnstile: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _wait_for(left: AbandonedCalls) -> None:
+    """Env calls left running in their threads (past their timeout, or interrupted): said, and waited for a
+    little; `console` then exits without them."""
+    if not len(left):
+        return
+    print(
+        f"turnstile: waiting at most {EXIT_WAIT_S:g}s for {len(left)} env call(s) left running in their threads "
+        f"(past their timeout, or interrupted): {left.describe()}",
+        file=sys.stderr,
+    )
+    if not left.wait(EXIT_WAIT_S):
+        print(f"turnstile: exiting; {len(left)} still running, their envs not closed", file=sys.stderr)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -92,11 +144,25 @@ def build_parser() -> argparse.ArgumentParser:
         prog="turnstile", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    run = commands.add_parser("run", help="run trajectories and write them as JSON lines", epilog=SETTINGS_EPILOG)
-    run.add_argument("--config", help="a YAML file of settings, flat keys (flags override it)")
-    run.add_argument("--num-prompts", type=_positive, default=16, help="rows from the env's make_prompts (default: 16)")
+    run = commands.add_parser(
+        "run",
+        help="run trajectories and write them as JSON lines",
+        usage="turnstile run [--config FILE] [--env NAME] [--prompts FILE] [--url URL] [options]",
+        epilog=SETTINGS_EPILOG,
+    )
+    run.add_argument(
+        "--config", help="a YAML file of settings, flat keys, and of the options below by name (flags override it)"
+    )
+    run.add_argument("--num-prompts", type=_positive, help=f"rows from the env's make_prompts (default: {RUN_OPTIONS['num_prompts']})")
     run.add_argument("--prompts", help="a JSONL file of rows {prompt: [messages], label, metadata} instead")
-    run.add_argument("--out", default="out/trajectories.jsonl", help="where the JSON lines go ('-' for stdout)")
+    run.add_argument("--out", help=f"where the JSON lines go ('-' for stdout; default: {RUN_OPTIONS['out']})")
+    run.add_argument(
+        "--no-text",
+        dest="text",
+        action="store_false",
+        default=None,
+        help="leave the decoded text (prompt, each turn's response and observation) out of the JSON lines",
+    )
     for name, field in Settings.model_fields.items():
         if marker(field, Flag) is not None:
             _add_flag(run, name, field)
@@ -112,6 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
         "check-template", help="say whether delta encoding is exact for a chat template (exit 0), or where it drifts"
     )
     template_check.add_arguments(check)
+    view = commands.add_parser("show", help="print trajectories of a JSON lines file, turn by turn")
+    show.add_arguments(view)
+    for command in (run, serve, check, view):
+        command.set_defaults(command_parser=command)
     return parser
 
 
@@ -187,7 +257,15 @@ def _scalar(annotation: Any) -> Any:
 
 def settings_from_flags(args: argparse.Namespace) -> Settings:
     """The defaults, under the YAML of `--config`, under the flags given."""
-    values = read_yaml(args.config, Settings, "run") if args.config else {}
+    values = read_yaml(args.config, Settings, "run", own=set(RUN_OPTIONS)) if args.config else {}
+    given = values.get("num_prompts", 1)
+    if isinstance(given, bool) or not isinstance(given, int) or given < 1:
+        raise ValueError(f"{args.config}: num_prompts: must be a whole number of at least 1, got {given!r}")
+    for name, default in RUN_OPTIONS.items():  # the run's own options: a flag, else the YAML, else the default
+        value = values.pop(name, default)
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
+    given_in_yaml = set(values)
     for name, field in Settings.model_fields.items():
         if marker(field, Flag) is not None and getattr(args, name) is not None:
             values[name] = getattr(args, name)
@@ -196,7 +274,12 @@ def settings_from_flags(args: argparse.Namespace) -> Settings:
     given = values.get("retry") or {}
     if retry and isinstance(given, Mapping):  # a flag sets one retry knob; the YAML's others stay
         values["retry"] = {**given, **retry}
-    return Settings.model_validate(values)
+    try:
+        return Settings.model_validate(values)
+    except ValidationError as exc:  # each problem named by where its value came from
+        flags = {name for name, field in Settings.model_fields.items() if marker(field, Flag) and getattr(args, name) is not None}
+        from_yaml = given_in_yaml - flags - ({"retry"} if retry else set())
+        raise ValueError(problems(exc, lambda knob: f"{args.config}: {knob}" if knob in from_yaml else knob)) from exc
 
 
 def _positive(text: str) -> int:
@@ -247,18 +330,58 @@ def _encoder(config: Settings) -> ChatEncoder:
     """The tokenizer (or VLM processor) and its chat template, checked by rendering it once."""
     from engine.models import load_processor, load_tokenizer
 
+    if config.vision:
+        _need_torch("--vision (the Qwen2.5-VL processor)")
     processor = load_processor("qwen2.5-vl") if config.vision else None
-    tokenizer = processor.tokenizer if processor is not None else load_tokenizer(config.tokenizer, config.chat_template)
+    name = config.tokenizer
+    if config.backend_kind == "sglang" and not config.vision and "tokenizer" not in config.model_fields_set:
+        name = _server_tokenizer(config.url.split(",")[0].strip())
+        print(f"turnstile: tokenizer {name} (the server's, from GET /model_info)", file=sys.stderr)
+    tokenizer = processor.tokenizer if processor is not None else load_tokenizer(name, config.chat_template)
     try:
         return ChatEncoder(tokenizer, processor=processor, chat_template_kwargs=config.chat_template_kwargs)
     except jinja2.TemplateError as exc:
         raise ValueError(f"the chat template does not render: {type(exc).__name__}: {exc}") from exc
 
 
+def _need_torch(what: str) -> None:
+    """One error where torch (the `torch` extra) is missing, rather than an ImportError deep in a load."""
+    try:
+        import torch  # noqa: F401
+        import torchvision  # noqa: F401
+    except ImportError as exc:
+        raise ValueError(
+            f"{what} needs torch and torchvision, which do not import here ({exc}): pip install 'turnstile[torch]'"
+        ) from exc
+
+
+def _server_tokenizer(url: str) -> str:
+    """--url without --tokenizer: the tokenizer directory the server names (GET /model_info), where it is one on
+    this machine; else one error saying to give it. The built-in Qwen2.5 tokenizer is never guessed."""
+    try:
+        reply = httpx2.get(f"{url}/model_info", timeout=10.0, trust_env=False)
+        info = reply.json() if reply.status_code == 200 else None
+    except (httpx2.HTTPError, ValueError) as exc:
+        info, why = None, f"{type(exc).__name__}: {exc}"
+    else:
+        why = f"HTTP {reply.status_code}" if info is None else "no tokenizer_path or model_path in its reply"
+    if isinstance(info, Mapping):
+        model, path = info.get("model_path"), info.get("tokenizer_path") or info.get("model_path")
+        if isinstance(path, str) and Path(path).is_dir():
+            return path
+        if isinstance(path, str):
+            why = f"the server serves {model!r}, whose tokenizer {path!r} is not a directory here"
+    raise ValueError(
+        f"--url without --tokenizer: the server's tokenizer is not known ({url}/model_info: {why}): give it with "
+        "--tokenizer DIR (--tokenizer qwen2.5 for the built-in Qwen2.5 one)"
+    )
+
+
 def _local_model(config: Settings) -> Any:
     """The local backend's model (None for SGLang)."""
     if config.backend_kind != "local":
         return None
+    _need_torch("the local backend (no --url)")
     from engine.models import load_model
 
     return load_model(config.local_model, seed=config.seed)
@@ -298,21 +421,27 @@ def _check_out(out: str) -> None:
 
 
 async def _run(
-    config: Settings, rows: list[dict[str, Any]], make_env: EnvFactory, out: str, encoder: ChatEncoder, model: Any
+    config: Settings,
+    rows: list[dict[str, Any]],
+    make_env: EnvFactory,
+    args: argparse.Namespace,
+    encoder: ChatEncoder,
+    model: Any,
+    ran: list[RolloutEngine],
 ) -> int:
     finished: list[Trajectory] = []
     started = time.monotonic()
+    decode = _decoder(encoder) if args.text else None
     async with AsyncExitStack() as stack:
         try:  # an SGLang URL is found to be a server or a router (and its workers) on entering
             backend = await stack.enter_async_context(_backend(config, encoder, model))
-            is_healthy, why = await backend.health(), ": GET /health did not answer HTTP 200"
+            problem = await backend.health_problem()
         except BackendError as exc:
-            is_healthy, why = False, f": {exc.message}"
-        if not is_healthy:
-            where = f"the {config.backend_kind} backend at {config.url}"
-            print(f"turnstile: {where} is not healthy{why}", file=sys.stderr)
+            problem = exc.message
+        if problem is not None:
+            print(f"turnstile: the {config.backend_kind} backend at {config.url} is not healthy: {problem}", file=sys.stderr)
             return 2
-        sink = stack.enter_context(nullcontext(sys.stdout) if out == "-" else _open_out(out))
+        sink = stack.enter_context(nullcontext(sys.stdout) if args.out == "-" else _open_out(args.out))
         recorder = MetricsRecorder()
         observers = (recorder, TurnLogger(level=config.log_level, sample=config.log_sample))
         engine = RolloutEngine(
@@ -323,17 +452,24 @@ async def _run(
             config=config.engine_config(encoder.stop_token_ids),
             observers=observers,
         )
+        ran.append(engine)
         async with engine, anyio.create_task_group() as view:
             if engine.exporter is not None:
                 print(f"turnstile: metrics at {engine.exporter.url}", file=sys.stderr)
             view.start_soon(LiveView(engine, recorder, total_groups=len(rows)).run)
             async for group in engine.stream():
                 for trajectory in group.trajectories:
-                    sink.write(json.dumps(trajectory.to_record(), default=str) + "\n")
+                    sink.write(json.dumps(trajectory.to_record(decode), default=str) + "\n")
                 finished.extend(group.trajectories)
             view.cancel_scope.cancel()
-    _summary(finished, time.monotonic() - started, out)
+    _summary(finished, time.monotonic() - started, args.out)
     return 1 if finished and all(t.status is Status.FAILED for t in finished) else 0  # nothing succeeded
+
+
+def _decoder(encoder: ChatEncoder) -> Callable[[Sequence[int]], str]:
+    """Token ids to text as a person reads them: special tokens (turn ends, roles) kept."""
+    tokenizer = encoder.tokenizer
+    return lambda ids: tokenizer.decode(list(ids), skip_special_tokens=False)
 
 
 def _backend(config: Settings, encoder: ChatEncoder, model: Any) -> Backend:
@@ -370,4 +506,4 @@ def _summary(finished: list[Trajectory], seconds: float, out: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    console()

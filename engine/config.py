@@ -22,11 +22,11 @@ from __future__ import annotations
 import difflib
 import json
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, fields
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any, Literal, Self, TypeVar
+from typing import Annotated, Any, Literal, Self, TypeVar, get_args, get_origin
 
 import yaml
 from pydantic import (
@@ -203,6 +203,10 @@ class EngineConfig(BaseModel):
     """Address Prometheus /metrics is served on."""
     metrics_port: Annotated[int | None, Field(ge=0, le=65535), FLAG] = None
     """Port of Prometheus /metrics (0: any free port; none: not served)."""
+    metrics_sd_dir: Annotated[str | None, FLAG] = None
+    """A folder Prometheus reads with file_sd_configs: while /metrics is served, it holds a target file naming
+    this process's host:port (its node's address where metrics_host is 0.0.0.0), so Prometheus finds it on
+    whichever node it runs (deploy/prometheus.yml)."""
 
     # -- the process ----------------------------------------------------------------------------------
     gc_freeze: bool = True
@@ -398,14 +402,16 @@ def key_names(model: type[BaseModel]) -> dict[str, str]:
     return names
 
 
-def refusal(model: type[BaseModel], key: str, reader: Reader) -> str | None:
+def refusal(
+    model: type[BaseModel], key: str, reader: Reader, *, own: Collection[str] = (), is_top: bool = True
+) -> str | None:
     """Why `reader` does not take `key` ("run": `turnstile run`'s YAML; "slime": the `turnstile:`
-    section), or None when it does."""
-    if key in MOVED:
+    section) of `model` (the top-level settings, or a knob's own mapping), or None when it does."""
+    if is_top and key in MOVED:
         return f"now {MOVED[key]}"
     names = key_names(model)
     if key not in names:
-        close = difflib.get_close_matches(key, names, n=1)
+        close = difflib.get_close_matches(key, [*names, *own], n=1)
         hint = f" (did you mean {close[0]}?)" if close else ""
         return f"not a setting{hint}; docs/settings.md lists them"
     field = model.model_fields[names[key]]
@@ -417,10 +423,10 @@ def refusal(model: type[BaseModel], key: str, reader: Reader) -> str | None:
     return None
 
 
-def read_yaml(path: str | Path, model: type[BaseModel], reader: Reader) -> dict[str, Any]:
-    """The mapping in the YAML file at `path`, each key checked (`refusal`); values are checked when
-    the model is built."""
-    return checked(load_yaml(path) or {}, model, reader, where=str(path), key_prefix=f"{path}: ")
+def read_yaml(path: str | Path, model: type[BaseModel], reader: Reader, *, own: Collection[str] = ()) -> dict[str, Any]:
+    """The mapping in the YAML file at `path`, each key checked (`refusal`) but those in `own` (options of
+    the reader's own, not knobs); values are checked when the model is built."""
+    return checked(load_yaml(path) or {}, model, reader, where=str(path), key_prefix=f"{path}: ", own=own)
 
 
 def load_yaml(path: str | Path) -> Any:
@@ -434,16 +440,37 @@ def load_yaml(path: str | Path) -> Any:
         raise ValueError(f"{path}: not valid YAML{where}: {why}") from exc
 
 
-def checked(data: Any, model: type[BaseModel], reader: Reader, *, where: str, key_prefix: str) -> dict[str, Any]:
+def checked(
+    data: Any,
+    model: type[BaseModel],
+    reader: Reader,
+    *,
+    where: str,
+    key_prefix: str,
+    own: Collection[str] = (),
+    is_top: bool = True,
+) -> dict[str, Any]:
     """`data` as a dict of knobs of `model`, or one ValueError naming the first key `reader` refuses
-    (as `key_prefix` + the key) and why."""
+    (as `key_prefix` + the key, `retry.per_turn` for a nested one) and why."""
     if not isinstance(data, Mapping):
         raise ValueError(f"{where}: expected a mapping of settings, got {type(data).__name__}")
-    for key in data:
-        why = refusal(model, str(key), reader)
+    for key, value in data.items():
+        if key in own:
+            continue
+        why = refusal(model, str(key), reader, own=own, is_top=is_top)
         if why is not None:
             raise ValueError(f"{key_prefix}{key}: {why}")
+        nested = _model_of(model.model_fields[key_names(model)[str(key)]].annotation)
+        if nested is not None and isinstance(value, Mapping):
+            checked(value, nested, reader, where=where, key_prefix=f"{key_prefix}{key}.", is_top=False)
     return dict(data)
+
+
+def _model_of(annotation: Any) -> type[BaseModel] | None:
+    """The settings model a knob's value is a mapping of (`retry`: RetryPolicy), or None."""
+    while get_origin(annotation) is Annotated:
+        annotation = get_args(annotation)[0]
+    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
 
 
 def problems(exc: ValidationError, name: Callable[[str], str] = str) -> str:

@@ -31,7 +31,7 @@ import anyio
 from engine.backends.base import Backend, SamplingParams
 from engine.config import EngineConfig
 from engine.encoding import ChatEncoder
-from engine.envs.base import EnvRunner
+from engine.envs.base import AbandonedCalls, EnvRunner
 from engine.envs.loader import EnvSample
 from engine.errors import FilterError, InternalError, ObservationError, PromptError, RewardError, TurnError
 from engine.metrics.events import Observer
@@ -183,7 +183,11 @@ class RolloutEngine:
                 from engine.metrics.prometheus import MetricsExporter
 
                 self.exporter = MetricsExporter(
-                    self, self.recorder, host=self.config.metrics_host, port=self.config.metrics_port
+                    self,
+                    self.recorder,
+                    host=self.config.metrics_host,
+                    port=self.config.metrics_port,
+                    sd_dir=self.config.metrics_sd_dir,
                 )
                 self.exporter.start()
                 self._stack.callback(self.exporter.stop)
@@ -269,6 +273,12 @@ class RolloutEngine:
     def weight_version(self) -> str | None:
         """The version generation runs with now (the last one resumed with, or reported by the backend)."""
         return self.scheduler.clock.current
+
+    @property
+    def abandoned_env_calls(self) -> AbandonedCalls:
+        """Sync env calls that ran past their timeout and still run in their threads (a process exiting
+        would wait for them)."""
+        return self.scheduler.abandoned_calls
 
     def statistics(self) -> EngineStatistics:
         return EngineStatistics(
@@ -481,7 +491,7 @@ class RolloutEngine:
         if isinstance(rewards, TurnError):
             for trajectory in members:
                 if trajectory.status in SCORED:
-                    trajectory.fail_after_end(rewards.record(len(trajectory.turns)))
+                    trajectory.fail_after_end(rewards.record(trajectory.current_turn))
             return
         for trajectory, reward in zip(members, rewards, strict=True):
             trajectory.reward = reward
@@ -491,7 +501,7 @@ class RolloutEngine:
         members included, when a bug struck: they end ABORTED with the engine later, unreturned)."""
         for trajectory in group.trajectories:
             if trajectory.status in SCORED:
-                trajectory.fail_after_end(error.record(len(trajectory.turns)))
+                trajectory.fail_after_end(error.record(trajectory.current_turn))
         if self._open.pop(group.group_id, None) is not None:
             self._settled.difference_update(t.id for t in group.trajectories)
             self._done.append(group)
@@ -538,9 +548,9 @@ class RolloutEngine:
         except Exception as exc:  # noqa: BLE001 -- the trajectory's tokens cannot be checked: not trained on
             error = ObservationError(f"the drift check could not re-render trajectory {trajectory.id}: {exc!r}")
             if trajectory.status in SCORED:
-                trajectory.fail_after_end(error.record(len(trajectory.turns)))
+                trajectory.fail_after_end(error.record(trajectory.current_turn))
             else:
-                trajectory.errors.append(error.record(len(trajectory.turns)))
+                trajectory.errors.append(error.record(trajectory.current_turn))
             return
         for observer in self.observers:
             observer.drift_checked(trajectory, report)

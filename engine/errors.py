@@ -6,8 +6,10 @@ A `TurnError` is raised by a backend or an env wrapper; what travels on the traj
 
 from __future__ import annotations
 
+import traceback as tb
 from dataclasses import dataclass
 from enum import StrEnum
+from pathlib import Path
 
 
 class Stage(StrEnum):
@@ -79,12 +81,15 @@ _STAGE_OF_CLASS = {
 
 @dataclass(frozen=True, slots=True)
 class ErrorRecord:
-    """One failure, as it is stored on a trajectory and counted."""
+    """One failure, as it is stored on a trajectory and counted. `turn`: the index of the turn it happened
+    in (or after, for a reward), None before the first turn; `traceback`: where in the user's code (an env,
+    a reward function, a hook) the exception behind it was raised, None when it came from no such code."""
 
     error_class: ErrorClass
     stage: Stage
     message: str
-    turn: int
+    turn: int | None
+    traceback: str | None = None
 
     @property
     def retryable(self) -> bool:
@@ -96,17 +101,18 @@ class TurnError(Exception):
 
     stage: Stage = Stage.BACKEND
 
-    def __init__(self, error_class: ErrorClass, message: str):
+    def __init__(self, error_class: ErrorClass, message: str, *, traceback: str | None = None):
         super().__init__(message)
         self.error_class = error_class
         self.message = message
+        self.traceback = traceback  # given where the cause cannot travel with it (from an env worker's process)
 
     @property
     def retryable(self) -> bool:
         return self.error_class in RETRYABLE
 
-    def record(self, turn: int) -> ErrorRecord:
-        return ErrorRecord(self.error_class, self.stage, self.message, turn)
+    def record(self, turn: int | None) -> ErrorRecord:
+        return ErrorRecord(self.error_class, self.stage, self.message, turn, self.traceback or user_traceback(self))
 
     def noted(self, note: str) -> TurnError:
         """The same error, of the same class, with `note` appended to its message."""
@@ -114,6 +120,7 @@ class TurnError(Exception):
         error.__dict__.update(self.__dict__)
         error.message = f"{self.message} ({note})"
         error.args = (error.message,)
+        error.__cause__ = self.__cause__
         return error
 
 
@@ -174,6 +181,42 @@ class InternalError(TurnError):
         error = cls(f"{doing} raised {exc!r}")
         error.__cause__ = exc
         return error
+
+
+# Frames left out of a user traceback: the engine's own, the standard library's, and those of the
+# libraries that ran the call (a user's code installed beside them, in site-packages, is kept).
+_OWN = tuple(str(Path(path).resolve()) + "/" for path in (Path(__file__).parent, Path(__file__).parent.parent / "bridge"))
+_STDLIB = str(Path(tb.__file__).parent.resolve()) + "/"
+_RUNNERS = ("anyio", "sniffio", "ray")
+_MAX_FRAMES = 16
+
+
+def user_traceback(error: BaseException) -> str | None:
+    """The traceback of the first exception behind `error` that is not a TurnError, trimmed to the frames
+    of the code that raised it (an env's, a hook's): the engine's, the standard library's, anyio's and
+    Ray's are left out, and at most the innermost 16 kept. None when there is no such exception or frame."""
+    cause = error.__cause__
+    while isinstance(cause, TurnError):
+        if cause.traceback is not None:
+            return cause.traceback
+        cause = cause.__cause__
+    if cause is None or cause.__traceback__ is None:
+        return None
+    frames = [f for f in tb.extract_tb(cause.__traceback__) if not _is_own(f.filename)][-_MAX_FRAMES:]
+    if not frames:
+        return None
+    lines = tb.format_list(frames) + tb.format_exception_only(type(cause), cause)
+    return "Traceback (most recent call last):\n" + "".join(lines).rstrip("\n")
+
+
+def _is_own(filename: str) -> bool:
+    path = str(Path(filename).resolve())
+    if path.startswith(_OWN):
+        return True
+    for packages in ("/site-packages/", "/dist-packages/"):
+        if packages in path:
+            return path.split(packages, 1)[1].split("/", 1)[0] in _RUNNERS
+    return path.startswith(_STDLIB)
 
 
 class EnvRetryableError(Exception):

@@ -54,23 +54,38 @@ class QueueSource:
         return list(self._rows)
 
 
-def jsonl_rows(path: str | Path) -> Iterator[dict[str, Any]]:
-    """The rows of a JSONL file, checked as they are read; a bad line raises ValueError naming file:line."""
+# Where other datasets keep a row's prompt (OpenAI-style `messages`, HF chat sets' `conversations`, ...).
+PROMPT_KEYS_ELSEWHERE = ("messages", "conversations", "conversation", "input", "question", "text")
+
+
+def json_lines(path: str | Path) -> Iterator[tuple[str, Any]]:
+    """Each non-blank line of a JSONL file, parsed, with where it is (`file:line`); a line that is not JSON
+    raises ValueError naming it."""
     with Path(path).open() as lines:
         for number, line in enumerate(lines, start=1):
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                yield f"{path}:{number}", json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}:{number}: not a JSON object: {exc}") from exc
-            yield check_messages(check_row(row, where=f"{path}:{number}"), where=f"{path}:{number}")
+
+
+def jsonl_rows(path: str | Path) -> Iterator[dict[str, Any]]:
+    """The rows of a JSONL file, checked as they are read; a bad line raises ValueError naming file:line."""
+    for where, row in json_lines(path):
+        yield check_messages(check_row(row, where=where), where=where)
 
 
 def check_row(row: Any, *, where: str) -> dict[str, Any]:
     """A row's prompt is chat messages, or text already rendered with the chat template (given to the
     model as it is, as slime's `--apply-chat-template` prompts are); its `metadata`, when given, a
     mapping, and its `images` (beside a rendered prompt) a list."""
+    if isinstance(row, dict) and "prompt" not in row and (others := sorted(set(row) & set(PROMPT_KEYS_ELSEWHERE))):
+        raise ValueError(
+            f"{where}: no 'prompt', but {others[0]!r}: a row gives its chat messages (or rendered text) as "
+            f"'prompt', e.g. {{\"prompt\": [{{\"role\": \"user\", \"content\": \"...\"}}]}}"
+        )
     if not isinstance(row, dict) or not isinstance(row.get("prompt"), list | str):
         raise ValueError(f"{where}: 'prompt' must be a list of chat messages or rendered text")
     if not isinstance(row.get("metadata") or {}, Mapping):

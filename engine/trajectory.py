@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import uuid
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -228,6 +228,16 @@ class Trajectory:
     def is_ended(self) -> bool:
         return self.status.is_terminal
 
+    @property
+    def num_retries(self) -> int:
+        """Retries it spent in all (its turns', its env's resets', its reward's), as `metadata["retries"]` counts them."""
+        return sum(self.metadata.get("retries", {}).values())
+
+    @property
+    def current_turn(self) -> int | None:
+        """The index of the turn in progress, or of the last one once the turns are over; None before the first."""
+        return self.turns[-1].index if self.turns else None
+
     def generated_ids(self, turn: Turn) -> array:
         """The model's tokens of one turn."""
         start = self.prompt_length + turn.start
@@ -244,9 +254,11 @@ class Trajectory:
         """Bytes held by the token, log-prob and mask arrays."""
         return sum(a.itemsize * len(a) for a in (self.tokens, self.logprobs, self.loss_mask))
 
-    def to_record(self) -> dict[str, Any]:
-        """A JSON-ready dict: arrays become lists here, at the edge."""
-        return {
+    def to_record(self, decode: Callable[[Sequence[int]], str] | None = None) -> dict[str, Any]:
+        """A JSON-ready dict: arrays become lists here, at the edge. With `decode` (token ids to text), the
+        text a person reads too: `prompt_text`, and each turn's `response_text` (the model's tokens) and
+        `observation_text` (the env's after them)."""
+        record = {
             "id": self.id,
             "group_id": self.group_id,
             "index": self.index,
@@ -262,11 +274,25 @@ class Trajectory:
             "num_images": len(self.image_data),
             "turns": [t.to_record() for t in self.turns],
             "errors": [
-                {"class": str(e.error_class), "stage": str(e.stage), "turn": e.turn, "message": e.message}
+                {
+                    "class": str(e.error_class),
+                    "stage": str(e.stage),
+                    "turn": e.turn,
+                    "message": e.message,
+                    "traceback": e.traceback,
+                }
                 for e in self.errors
             ],
             "metadata": self.metadata,
         }
+        if decode is not None:
+            record["prompt_text"] = decode(self.tokens[: self.prompt_length])
+            for turn, turn_record in zip(self.turns, record["turns"], strict=True):
+                start = self.prompt_length + turn.start
+                middle = start + turn.num_generated
+                turn_record["response_text"] = decode(self.tokens[start:middle])
+                turn_record["observation_text"] = decode(self.tokens[middle : middle + turn.num_observation])
+        return record
 
 
 @dataclass(slots=True, eq=False)

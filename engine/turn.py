@@ -216,7 +216,7 @@ async def run_trajectory(
 
 def record_failure(trajectory: Trajectory, error: TurnError) -> StopReason:
     """Keep the error on the trajectory; the stop reason it ends with."""
-    trajectory.errors.append(error.record(len(trajectory.turns)))
+    trajectory.errors.append(error.record(trajectory.current_turn))
     return STOP_OF_STAGE[error.stage]
 
 
@@ -226,4 +226,4 @@ async def close_env(env: EnvRunner, trajectory: Trajectory) -> None:
     try:
         await env.close()
     except TurnError as exc:
-        trajectory.errors.append(exc.record(len(trajectory.turns)))
+        trajectory.errors.append(exc.record(trajectory.current_turn))

@@ -1,6 +1,6 @@
 """Every input a user gives, with a bad value: one clear error at start naming what is wrong, or, for what
 belongs to one trajectory (its prompt's images, its env, its server replies), that trajectory FAILED with
-its error class while the others go on. README's "Bad input" table lists each case here by its test id;
+its error class while the others go on. docs/bad_input.md's table lists each case here by its test id;
 the last test keeps the two equal.
 
 `turnstile run` is driven through `engine.cli.main`, against the SGLang double (tests/sglang_double.py)
@@ -32,6 +32,7 @@ from tests.sglang_double import Disconnect, Generate, Raw, SGLangDouble, error_b
 
 ROOT = Path(__file__).resolve().parents[1]
 GOOD = {"prompt": [{"role": "user", "content": "good"}], "metadata": {"case": "good"}}
+SERVER = lambda url: ("--url", url, "--tokenizer", "qwen2.5")  # noqa: E731 -- the double serves no tokenizer of its own
 NO_RETRY = "retry: {backoff_base_s: 0, per_turn: {}}\n"  # a failure ends its trajectory at once
 NO_BACKOFF = "retry: {backoff_base_s: 0}\n"  # the default budgets, retried at once
 QWEN = packaged_template("qwen2.5")
@@ -128,6 +129,8 @@ def only_bad_one_failed(records: list[dict]) -> dict:
 def refused_at_start(code: int, records: list[dict], err: str, message: str) -> None:
     assert code == 2 and not records, err
     assert message in err, err
+    # argparse's own errors come after `turnstile run`'s one-line usage; every other error alone
+    assert "usage: turnstile [-h]" not in err and err.count("usage: ") <= ("invalid" in message or "argument" in message or "unrecognized" in message), err
 
 
 # -- `turnstile run` flags ------------------------------------------------------------------------------
@@ -203,6 +206,14 @@ def test_a_bad_flag_is_one_error_at_start(tmp_path, capsys, argv, message):
         refused_at_start(*run(tmp_path, capsys, "--num-prompts", "1", *argv), message)
 
 
+@pytest.mark.parametrize("argv", [pytest.param([], id="local-backend"), pytest.param(["--vision"], id="vision")])
+def test_the_local_backend_or_vision_without_torch_is_one_error_at_start(tmp_path, capsys, monkeypatch, argv):
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` fails, as where the torch extra is missing
+    what = "--vision (the Qwen2.5-VL processor)" if argv else "the local backend (no --url)"
+    message = f"{what} needs torch and torchvision, which do not import here (import of torch halted; None in sys.modules)"
+    refused_at_start(*run(tmp_path, capsys, "--num-prompts", "1", *argv), message + ": pip install 'turnstile[torch]'")
+
+
 # -- `turnstile run --config` YAML ----------------------------------------------------------------------
 
 
@@ -221,12 +232,24 @@ def test_a_bad_flag_is_one_error_at_start(tmp_path, capsys, argv, message):
         pytest.param(
             "env_step_timeout: 5\n", "run.yaml: env_step_timeout: now retry.env_step_timeout_s", id="moved-key"
         ),
-        pytest.param("max_turns: six\n", "max_turns: Input should be a valid integer", id="bad-value"),
-        pytest.param("retry: {per_try: 1}\n", "retry.per_try: Extra inputs are not permitted", id="unknown-retry-key"),
+        pytest.param("max_turns: six\n", "run.yaml: max_turns: Input should be a valid integer", id="bad-value"),
+        pytest.param(
+            "retry: {per_try: 1}\n",
+            "run.yaml: retry.per_try: not a setting (did you mean per_turn?)",
+            id="unknown-retry-key",
+        ),
+        pytest.param(
+            "retry:\n  env_step_timout_s: 3\n",
+            "run.yaml: retry.env_step_timout_s: not a setting (did you mean env_step_timeout_s?)",
+            id="nested-typo",
+        ),
         pytest.param(
             "retry: {per_turn: {oom: 1}}\n",
-            "retry.per_turn.oom.[key]: Input should be 'connection'",
+            "run.yaml: retry.per_turn.oom.[key]: Input should be 'connection'",
             id="unknown-error-class",
+        ),
+        pytest.param(
+            "num_prompts: 0\n", "run.yaml: num_prompts: must be a whole number of at least 1, got 0", id="num-prompts-zero"
         ),
         pytest.param(
             "repetition_penalty: 1.2\n",
@@ -258,6 +281,11 @@ def test_a_bad_run_yaml_is_one_error_at_start(tmp_path, capsys, yaml_text, messa
             {"turnstile": {"max_env_step": 3}},
             "turnstile.max_env_step: not a setting (did you mean max_env_steps?)",
             id="unknown-key",
+        ),
+        pytest.param(
+            {"turnstile": {"retry": {"env_step_timout_s": 3}}},
+            "turnstile.retry.env_step_timout_s: not a setting (did you mean env_step_timeout_s?)",
+            id="nested-typo",
         ),
         pytest.param(
             {"turnstile": {"temperature": 0.5}},
@@ -374,6 +402,27 @@ def test_a_refused_slime_flag_is_one_error_at_start(args, messages):
     assert getattr(slime_args, SERVICE_ATTRIBUTE, None) is None  # nothing was started
 
 
+def test_generate_rollout_without_a_data_source_is_one_error_but_with_no_args_either_runs_the_embedded_default():
+    from bridge.slime import SERVICE_ATTRIBUTE, generate_rollout
+
+    slime_args = SimpleNamespace(rollout_batch_size=1, n_samples_per_prompt=1)
+    with pytest.raises(ValueError) as refused:
+        generate_rollout(slime_args, 0, None)
+    assert str(refused.value) == (
+        "generate_rollout: data_source is None: slime passes its RolloutDataSource; call it with one, or with "
+        "args=None and no data source for the embedded default"
+    )
+    assert getattr(slime_args, SERVICE_ATTRIBUTE, None) is None  # nothing was started
+
+    out = generate_rollout(None, 0, None)  # the embedded default, prompts and all: the README's smoke test
+    assert len(out.samples) == 2 and all(len(group) == 4 for group in out.samples)
+    for group in out.samples:
+        assert len({s.group_index for s in group}) == 1 and len({s.prompt[0]["content"] for s in group}) == 1
+        assert all(s.response_length == len(s.loss_mask) == len(s.rollout_log_probs) > 0 for s in group)
+    again = generate_rollout(None, 1, None)  # the next step takes the next prompts
+    assert {g[0].group_index for g in again.samples}.isdisjoint({g[0].group_index for g in out.samples})
+
+
 def test_rm_type_without_slime_is_refused_at_start():
     from bridge.rewards import HookError, SlimeScoring, slime_rm_hub
 
@@ -419,11 +468,21 @@ def test_a_hook_path_that_does_not_load_is_refused_at_start():
             id="format-observation-not-callable",
         ),
         pytest.param("YAML", "env module 'no_such_pkg.env' does not import", id="yaml-rollout-interaction-env-path"),
+        pytest.param(
+            "HERE",
+            """env module 'my_env' does not import: ModuleNotFoundError("No module named 'my_env'"); my_env.py is a """
+            "file here: give it as a path, my_env.py, or put its folder on PYTHONPATH",
+            id="a-file-here-named-as-a-module",
+        ),
     ],
 )
-def test_an_env_path_that_does_not_load_is_one_error_at_start(tmp_path, capsys, module, message):
+def test_an_env_path_that_does_not_load_is_one_error_at_start(tmp_path, capsys, monkeypatch, module, message):
     env = tmp_path / "my_env.py"
-    if module == "YAML":  # slime's key, in `turnstile run`'s YAML; under slime, the same loader at service start
+    if module == "HERE":  # `--env my_env` beside my_env.py: not on sys.path, as a console script runs
+        env.write_text("def build_env(sample=None, args=None): ...\n")
+        monkeypatch.chdir(tmp_path)
+        argv = ["--env", "my_env"]
+    elif module == "YAML":  # slime's key, in `turnstile run`'s YAML; under slime, the same loader at service start
         argv = ["--config", write(tmp_path / "run.yaml", "rollout_interaction_env_path: no_such_pkg.env\n")]
     elif module is None:
         argv = ["--env-path", "no_such_pkg.env"]
@@ -446,6 +505,11 @@ def test_an_env_path_that_does_not_load_is_one_error_at_start(tmp_path, capsys, 
         ),
         pytest.param(
             {"label": "4"}, "rows.jsonl:2: 'prompt' must be a list of chat messages or rendered text", id="no-prompt"
+        ),
+        pytest.param(
+            {"messages": [{"role": "user", "content": "hi"}]},
+            "rows.jsonl:2: no 'prompt', but 'messages': a row gives its chat messages (or rendered text) as 'prompt'",
+            id="messages-not-prompt",
         ),
         pytest.param(
             {"prompt": 4},
@@ -535,7 +599,7 @@ def test_a_prompt_that_does_not_encode_fails_its_trajectory_only(tmp_path, capsy
     argv = [write(tmp_path / "refuses.jinja", REFUSES_A_WORD) if a == "REFUSES" else a for a in argv]
     env = write(tmp_path / "case_env.py", CASE_ENV)
     with SGLangDouble() as server:
-        code, records, err = run(tmp_path, capsys, "--url", server.url, "--prompts", rows, "--env-path", env, *argv)
+        code, records, err = run(tmp_path, capsys, *SERVER(server.url), "--prompts", rows, "--env-path", env, *argv)
     assert code == 0, err
     failed = only_bad_one_failed(records)
     [error] = failed["errors"]
@@ -683,8 +747,7 @@ def test_an_env_that_fails_fails_its_trajectory_only(tmp_path, capsys, case, arg
         code, records, err = run(
             tmp_path,
             capsys,
-            "--url",
-            server.url,
+            *SERVER(server.url),
             "--prompts",
             rows,
             "--env-path",
@@ -721,12 +784,14 @@ def test_an_env_that_fails_fails_its_trajectory_only(tmp_path, capsys, case, arg
         ),
         pytest.param(
             lambda s: s.reply_next("/health", Raw(404, {"detail": "Not Found"})),
-            "the sglang backend at URL is not healthy: GET /health did not answer HTTP 200",
+            "the sglang backend at URL is not healthy: GET /health answered HTTP 404: nothing at URL serves SGLang's "
+            "API (an SGLang server or an sglang-router answers 200)",
             id="no-health-route",
         ),
         pytest.param(
             lambda s: setattr(s, "healthy", False),
-            "the sglang backend at URL is not healthy: GET /health did not answer HTTP 200",
+            "the sglang backend at URL is not healthy: GET /health answered HTTP 503: the server is starting (loading "
+            "its model) or has no healthy worker; try once it answers 200",
             id="starting",
         ),
         pytest.param(
@@ -745,14 +810,50 @@ def test_an_env_that_fails_fails_its_trajectory_only(tmp_path, capsys, case, arg
 def test_a_server_url_that_is_no_sglang_server_is_one_error_at_start(tmp_path, capsys, setup, message):
     if setup is None:
         url = f"http://127.0.0.1:{free_port()}"
-        code, records, err = run(tmp_path, capsys, "--url", url, "--num-prompts", "1")
+        code, records, err = run(tmp_path, capsys, *SERVER(url), "--num-prompts", "1")
     else:
         with SGLangDouble() as server:
             setup(server)
             url = server.url
-            code, records, err = run(tmp_path, capsys, "--url", url, "--num-prompts", "1")
+            code, records, err = run(tmp_path, capsys, *SERVER(url), "--num-prompts", "1")
             assert not server.requests_to("/generate")
     refused_at_start(code, records, err, message.replace("URL", url))
+
+
+@pytest.mark.parametrize(
+    ("model_info", "message"),
+    [
+        pytest.param(
+            None,
+            "--url without --tokenizer: the server's tokenizer is not known (URL/model_info: the server serves "
+            "'double', whose tokenizer 'double' is not a directory here): give it with --tokenizer DIR (--tokenizer "
+            "qwen2.5 for the built-in Qwen2.5 one)",
+            id="not-here",
+        ),
+        pytest.param(
+            Raw(404, {"detail": "Not Found"}),
+            "--url without --tokenizer: the server's tokenizer is not known (URL/model_info: HTTP 404)",
+            id="no-model-info",
+        ),
+    ],
+)
+def test_a_url_without_a_tokenizer_that_is_not_here_is_one_error_at_start(tmp_path, capsys, model_info, message):
+    """The built-in Qwen2.5 tokenizer is never guessed for a server's model."""
+    with SGLangDouble() as server:
+        if model_info is not None:
+            server.reply_next("/model_info", model_info)
+        code, records, err = run(tmp_path, capsys, "--url", server.url, "--num-prompts", "1")
+        assert not server.requests_to("/generate")
+    refused_at_start(code, records, err, message.replace("URL", server.url))
+
+
+def test_a_url_without_a_tokenizer_takes_the_servers_own_where_it_is_here(tmp_path, capsys):
+    here = str(_qwen_tokenizer_dir())
+    with SGLangDouble() as server:
+        server.reply_next("/model_info", Raw(200, {"model_path": "/models/q", "tokenizer_path": here}))
+        code, records, err = run(tmp_path, capsys, "--url", server.url, "--num-prompts", "1", "--max-turns", "1")
+    assert code == 0 and len(records) == 1, err
+    assert f"turnstile: tokenizer {here} (the server's, from GET /model_info)" in err
 
 
 # -- server replies -----------------------------------------------------------------------------------
@@ -806,7 +907,7 @@ def test_a_bad_server_reply_fails_its_trajectory_only(tmp_path, capsys, reply, e
     with SGLangDouble() as server:
         server.script(reply)
         code, records, err = run(
-            tmp_path, capsys, "--url", server.url, "--num-prompts", "2", "--max-turns", "2", "--config", config
+            tmp_path, capsys, *SERVER(server.url), "--num-prompts", "2", "--max-turns", "2", "--config", config
         )
     assert code == 0, err
     failed = only_bad_one_failed(records)
@@ -820,7 +921,7 @@ def test_a_failed_reply_is_retried_within_its_class_budget(tmp_path, capsys):
     with SGLangDouble() as server:
         server.script(Raw(503, error_body(503, "overloaded")))
         code, records, err = run(
-            tmp_path, capsys, "--url", server.url, "--num-prompts", "2", "--max-turns", "2", "--config", config
+            tmp_path, capsys, *SERVER(server.url), "--num-prompts", "2", "--max-turns", "2", "--config", config
         )
     assert code == 0 and {r["status"] for r in records} == {"completed"}, err
     assert sorted(r["metadata"].get("retries", {}).get("server", 0) for r in records) == [0, 1]
@@ -899,17 +1000,17 @@ def test_a_ray_address_nothing_answers_on_is_one_error_at_once():
         _check_reachable(left_to_ray)
 
 
-def test_the_readme_table_names_every_case_and_every_case_is_in_it():
-    section = (ROOT / "README.md").read_text().split("\n## Bad input\n", 1)[1].split("\n## ", 1)[0]
+def test_the_docs_table_names_every_case_and_every_case_is_in_it():
+    section = (ROOT / "docs" / "bad_input.md").read_text()
     rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| input ")]
     named = [re.findall(r"`(test_\w+(?:\[[\w-]+\])?)`", row.rsplit(" | ", 1)[-1]) for row in rows]
     assert rows and all(named), [row for row, names in zip(rows, named, strict=True) if not names]
     cases = set()
     for name, test in vars(sys.modules[__name__]).items():
-        if not name.startswith("test_") or name == "test_the_readme_table_names_every_case_and_every_case_is_in_it":
+        if not name.startswith("test_") or name == "test_the_docs_table_names_every_case_and_every_case_is_in_it":
             continue
         marks = [m for m in getattr(test, "pytestmark", []) if m.name == "parametrize"]
         cases |= {f"{name}[{param.id}]" for m in marks for param in m.args[1]} if marks else {name}
     listed = {name for names in named for name in names}
-    assert listed - cases == set(), "the README names tests that do not exist"
-    assert cases - listed == set(), "tests the README's Bad input table does not list"
+    assert listed - cases == set(), "docs/bad_input.md names tests that do not exist"
+    assert cases - listed == set(), "tests docs/bad_input.md's table does not list"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 
@@ -67,7 +68,7 @@ def test_sglang_backend_flag_drives_a_server(tmp_path, tokenizer):
     with SGLangDouble(weight_version="step-7") as server:
         server.script(Generate(token_ids=[15, 16]), Generate(token_ids=answer))
         out = tmp_path / "sglang.jsonl"
-        assert main(["run", "--backend", "sglang", "--url", server.url, "--num-prompts", "1", "--out", str(out)]) == 0
+        assert main(["run", "--backend", "sglang", "--url", server.url, "--tokenizer", "qwen2.5", "--num-prompts", "1", "--out", str(out)]) == 0
         sent = server.requests_to("/generate")
     [record] = read_lines(out)
     check_record(record)
@@ -86,6 +87,8 @@ def test_a_server_that_is_down_is_one_clear_error(tmp_path, capsys):
                 "sglang",
                 "--url",
                 "http://127.0.0.1:9",
+                "--tokenizer",
+                "qwen2.5",
                 "--num-prompts",
                 "1",
                 "--out",
@@ -185,3 +188,158 @@ def test_env_takes_a_short_name_and_rows_come_from_the_env_modules_make_prompts(
     assert exited.value.code == 2
     message = f"env module {str(bare)!r} has no make_prompts(n, seed=, vision=): give prompt rows with --prompts"
     assert message in capsys.readouterr().err
+
+
+def test_each_turn_carries_its_decoded_text_and_no_text_leaves_it_out(tmp_path, tokenizer):
+    out = tmp_path / "run.jsonl"
+    argv = ["run", "--num-prompts", "2", "--max-turns", "3", "--max-new-tokens", "6"]
+    assert main([*argv, "--out", str(out)]) == 0
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
+    for record in read_lines(out):
+        tokens, start = record["tokens"], record["prompt_length"]
+        assert record["prompt_text"] == decode(tokens[:start]) and record["prompt_text"].endswith("assistant\n")
+        for turn in record["turns"]:
+            begin = start + turn["start"]
+            middle = begin + turn["num_generated"]
+            assert turn["response_text"] == decode(tokens[begin:middle])
+            assert turn["observation_text"] == decode(tokens[middle : middle + turn["num_observation"]])
+        observed = [turn["observation_text"] for turn in record["turns"] if turn["num_observation"]]
+        assert observed and all(f"What is {record['metadata']['question']}?" in text for text in observed)
+
+    bare = tmp_path / "bare.jsonl"
+    assert main([*argv, "--no-text", "--out", str(bare)]) == 0
+    for record in read_lines(bare):
+        assert "prompt_text" not in record and all("response_text" not in turn for turn in record["turns"])
+
+
+HUNG_ENV = """
+import threading
+from engine.envs.base import BaseInteractionEnv
+
+NEVER = threading.Event()
+
+
+class HungEnv(BaseInteractionEnv):
+    replay_safe = True
+
+    def reset(self):
+        return {}, {}
+
+    def step(self, response_text):
+        NEVER.wait()  # hangs for good
+        return {"obs_str": "never"}, True, {}
+
+
+def build_env(sample=None, args=None, **kw):
+    return HungEnv()
+
+
+def make_prompts(n, seed=0, vision=False):
+    return [{"prompt": [{"role": "user", "content": "wait"}]} for _ in range(n)]
+"""
+
+
+def turnstile(*argv: str, **kw) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "engine.cli", *argv], stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, **kw
+    )
+
+
+def test_a_hung_env_fails_its_trajectory_on_its_budget_and_the_process_exits_naming_the_calls_left(tmp_path):
+    """Every step hangs for good: each try times out, and its retry does not wait for it; the trajectory fails on
+    its spent budget, and the process says what it leaves running and exits anyway (its threads hang on)."""
+    (tmp_path / "hung_env.py").write_text(HUNG_ENV)
+    out = tmp_path / "out.jsonl"
+    argv = ["run", "--env", str(tmp_path / "hung_env.py"), "--num-prompts", "1", "--max-new-tokens", "4"]
+    proc = turnstile(*argv, "--env-step-timeout", "0.3", "--out", str(out))
+    _, err = proc.communicate(timeout=300)  # a bound for a broken exit, not a measure (benchmarks.hung_env times it)
+    assert proc.returncode == 1, err  # every trajectory failed
+    [record] = read_lines(out)
+    assert (record["status"], record["stop_reason"]) == ("failed", "env_error")
+    [error] = record["errors"]
+    assert error["class"] == "env_timeout" and error["turn"] == 0 and "retry budget spent after 2 retries" in error["message"]
+    assert record["turns"][0]["retries"] == 2 and record["metadata"]["retries"] == {"env_timeout": 2}
+    lines = err.splitlines()
+    summary = next(i for i, line in enumerate(lines) if line.startswith("1 trajectories in"))
+    waiting, exiting = lines[summary + 1 :]
+    assert waiting.startswith("turnstile: waiting at most 3s for 3 env call(s) left running in their threads")
+    assert waiting.count("HungEnv.step (running ") == 3
+    assert exiting == "turnstile: exiting; 3 still running, their envs not closed"
+
+
+def test_ctrl_c_ends_a_run_in_one_line_keeping_what_ended(tmp_path):
+    """SIGINT while one trajectory hangs in its env and the other has been written: exit status 130, one line
+    on stderr instead of a traceback, the ended trajectory kept."""
+    (tmp_path / "half_env.py").write_text(
+        HUNG_ENV.replace("NEVER.wait()  # hangs for good", "if sample_index: NEVER.wait()")
+        .replace("return HungEnv()", "env = HungEnv(); env.sample_index = sample.metadata['i']; return env")
+        .replace("def step(self, response_text):", "def step(self, response_text):\n        sample_index = self.sample_index")
+        .replace('[{"role": "user", "content": "wait"}]} for _ in range(n)]', '[{"role": "user", "content": "wait"}], "metadata": {"i": i}} for i in range(n)]')
+    )
+    out = tmp_path / "out.jsonl"
+    argv = ["run", "--env", str(tmp_path / "half_env.py"), "--num-prompts", "2", "--max-new-tokens", "4"]
+    proc = turnstile(*argv, "--out", str(out))
+    for line in proc.stderr:  # the live view's line once the first group is written
+        if line.startswith("groups 1/2"):
+            break
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and f"turnstile: interrupted; the trajectories that ended are in {out}" in err
+    [record] = read_lines(out)
+    assert record["status"] == "completed" and record["metadata"]["i"] == 0
+
+
+FAILS_ONCE_ENV = """
+from engine.envs.base import BaseInteractionEnv
+
+FAILED = []
+
+
+class OnceEnv(BaseInteractionEnv):
+    replay_safe = True
+
+    def reset(self):
+        return {}, {}
+
+    def step(self, response_text):
+        if not FAILED:
+            FAILED.append(1)
+            raise ValueError("flaky")
+        return {"obs_str": "done"}, True, {"reward": 1.0}
+
+
+def build_env(sample=None, args=None, **kw):
+    return OnceEnv()
+
+
+def make_prompts(n, seed=0, vision=False):
+    return [{"prompt": [{"role": "user", "content": "go"}]} for _ in range(n)]
+"""
+
+
+def test_one_retried_step_is_one_retry_in_the_turn_event_the_trajectory_its_metadata_and_the_live_line(tmp_path, capsys):
+    (tmp_path / "once_env.py").write_text(FAILS_ONCE_ENV)
+    out = tmp_path / "out.jsonl"
+    argv = ["run", "--env", str(tmp_path / "once_env.py"), "--num-prompts", "1", "--max-new-tokens", "4"]
+    assert main([*argv, "--log-level", "info", "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    events = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
+    [turn] = [e for e in events if e["event"] == "turn"]
+    [ended] = [e for e in events if e["event"] == "trajectory"]
+    [record] = read_lines(out)
+    assert turn["turn"] == record["turns"][0]["index"] == 0
+    assert turn["retries"] == ended["retries"] == record["turns"][0]["retries"] == 1
+    assert record["metadata"]["retries"] == {"env_exception": 1}
+    assert [line for line in err.splitlines() if line.startswith("groups ")][-1].endswith("· retries 1")
+
+
+def test_the_run_yaml_takes_the_runs_own_options_and_flags_override_them(tmp_path, capsys):
+    out = tmp_path / "from-yaml.jsonl"
+    config = tmp_path / "run.yaml"
+    config.write_text(f"num_prompts: 3\nout: {out}\ntext: false\nmax_turns: 1\nmax_new_tokens: 4\n")
+    assert main(["run", "--config", str(config)]) == 0
+    records = read_lines(out)
+    assert len(records) == 3 and all("prompt_text" not in r for r in records)
+    assert main(["run", "--config", str(config), "--num-prompts", "2"]) == 0
+    assert len(read_lines(out)) == 2

@@ -542,6 +542,44 @@ async def test_an_env_step_past_its_timeout_is_retried_on_a_fresh_env_only_where
         gate.set()
 
 
+class Hung(TurnsEnv):
+    """A sync, replay-safe env whose every step hangs in its worker thread until `gate` is set."""
+
+    def __init__(self, gate: threading.Event, closed: list[int]):
+        super().__init__(2, gate=gate, replay_safe=True)
+        self.closed = closed
+
+    def close(self):
+        self.closed.append(threading.get_ident())
+
+
+@pytest.mark.anyio
+async def test_a_hung_env_fails_its_trajectory_without_waiting_for_the_calls_it_left_running(encoder):
+    """Every step hangs: each try times out and the retry builds a fresh env, never waiting for the call left
+    running (the env is closed by that call's thread once it returns). The trajectory fails on its spent budget
+    while all three calls still run, and the engine names them."""
+    gate, closed = threading.Event(), []
+    retry = RetryPolicy(backoff_base_s=0.0, env_step_timeout_s=0.2, per_turn={ErrorClass.ENV_TIMEOUT: 2})
+    try:
+        async with RolloutEngine(
+            backend=DeterministicBackend(), encoder=encoder, env_factory=lambda sample: EnvRunner(Hung(gate, closed)),
+            source=rows(1), config=config(n_samples_per_prompt=1, retry=retry, max_failed_share=1.0),
+        ) as engine:  # fmt: skip
+            with anyio.fail_after(20):
+                [group] = await engine.rollout(1)
+        [trajectory] = group.trajectories
+        assert (trajectory.status, trajectory.stop_reason) == (Status.FAILED, StopReason.ENV_ERROR)
+        assert trajectory.metadata["retries"] == {"env_timeout": 2} and trajectory.turns[0].retries == 2
+        assert not gate.is_set() and closed == []  # failed while every call still hangs, none closed under it
+        left = engine.abandoned_env_calls
+        assert len(left) == 3 and left.describe().count("Hung.step (running ") == 3
+        assert not left.wait(0.05)
+    finally:
+        gate.set()
+    assert await anyio.to_thread.run_sync(left.wait, 10) and len(left) == 0
+    assert len(closed) == 3  # each env closed by the thread of its own call, once that returned
+
+
 def _open_gate() -> threading.Event:
     gate = threading.Event()
     gate.set()

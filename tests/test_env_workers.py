@@ -307,6 +307,11 @@ async def test_an_env_that_fails_to_start_in_a_worker_fails_its_trajectory_only(
     for trajectory in groups[1].trajectories:
         assert trajectory.status is Status.FAILED and trajectory.errors[-1].error_class is ErrorClass.ENV_EXCEPTION
         assert message in trajectory.errors[-1].message
+        where = trajectory.errors[-1].traceback  # from the worker's process, the env's own frames only
+        raising = "in build_env" if failing.get("refuse") else "in reset"
+        assert where.startswith("Traceback (most recent call last):") and raising in where, where
+        assert "/engine/" not in where and "/ray/" not in where
+        assert where.splitlines()[-1] in ("KeyError: 'no sandbox for this task'", "OSError: the sandbox did not come up")
     assert pool.statistics().num_envs == (0, 0)  # every env placed was released, closed where it was built
 
 

@@ -176,8 +176,9 @@ class BlockingEnv:
     """A sync step that waits on an event someone else sets."""
 
     def __init__(self):
-        self.started, self.release = threading.Event(), threading.Event()
+        self.started, self.release, self.closed = threading.Event(), threading.Event(), threading.Event()
         self.step_thread: int | None = None
+        self.close_thread: int | None = None
 
     def step(self, text):
         self.step_thread = threading.get_ident()
@@ -185,6 +186,10 @@ class BlockingEnv:
         if not self.release.wait(timeout=10):
             raise AssertionError("never released")
         return {"obs_str": "released"}, True, {}
+
+    def close(self):
+        self.close_thread = threading.get_ident()
+        self.closed.set()
 
 
 @pytest.mark.anyio
@@ -243,10 +248,13 @@ async def test_a_runner_whose_timed_out_step_still_runs_refuses_to_call_the_env_
         with pytest.raises(EnvError, match="an earlier call that timed out is still running") as caught:
             await runner.step("x")
         assert caught.value.error_class is ErrorClass.ENV_EXCEPTION and env.step_thread == first_thread
+        with anyio.fail_after(1):  # closing does not wait for the abandoned call
+            await runner.close()
+        assert runner.is_busy and not env.closed.is_set()  # nor closes the env under it
     finally:
         env.release.set()
-    await runner.close()  # waits for the abandoned call to return, then closes
-    assert not runner.is_busy
+    assert await anyio.to_thread.run_sync(env.closed.wait, 10)  # the abandoned call's thread closes it on return
+    assert env.close_thread == first_thread and not runner.is_busy
 
 
 @pytest.mark.anyio
@@ -320,6 +328,37 @@ class RaisingEnv(BaseInteractionEnv):
 
     def step(self, text):
         raise self.exc
+
+
+class HelperRaisingEnv(BaseInteractionEnv):
+    def step(self, text):
+        return self._grade(text)
+
+    def _grade(self, text):
+        raise ValueError(f"my bug: {text}")
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("is_async", [False, True])
+async def test_an_env_exception_keeps_the_envs_own_frames_as_its_traceback(is_async):
+    env = AsyncHelperRaisingEnv() if is_async else HelperRaisingEnv()
+    with pytest.raises(EnvError) as caught:
+        await EnvRunner(env).step("x")
+    record = caught.value.noted("retry budget spent").record(0)  # through a noted copy, as the scheduler keeps it
+    lines = record.traceback.splitlines()
+    assert lines[0] == "Traceback (most recent call last):" and lines[-1] == "ValueError: my bug: x"
+    files = [line.split('"')[1] for line in lines if line.startswith('  File "')]
+    assert set(files) == {__file__}  # the env's frames; none of the engine's, anyio's or the standard library's
+    assert (", in astep\n" if is_async else ", in step\n") in record.traceback and ", in _grade\n" in record.traceback
+
+
+class AsyncHelperRaisingEnv(HelperRaisingEnv):
+    async def astep(self, text):
+        return self._grade(text)
+
+
+def test_an_error_with_no_exception_behind_it_has_no_traceback():
+    assert EnvError(ErrorClass.ENV_TIMEOUT, "env X.step timed out after 2s").record(3).traceback is None
 
 
 @pytest.mark.anyio

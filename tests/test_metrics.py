@@ -186,8 +186,8 @@ async def test_turn_logs_are_json_events_sampled_as_asked(encoder):
     assert len([e for e in sampled_events if e["event"] == "trajectory"]) == len(trajectories)
 
 
-def test_failed_trajectories_log_at_warning_and_levels_filter():
-    from engine.errors import BackendError, ErrorClass
+def test_failed_trajectories_log_at_warning_with_where_the_env_failed_and_levels_filter():
+    from engine.errors import BackendError, EnvError, ErrorClass
     from engine.trajectory import StopReason, Trajectory
 
     stream = io.StringIO()
@@ -202,9 +202,19 @@ def test_failed_trajectories_log_at_warning_and_levels_filter():
     logger.trajectory_ended(fine)  # info: filtered out at warning level
     [event] = log_lines(stream)
     assert event["level"] == "warning" and event["errors"] == ["connection: unreachable"]
+    assert "exception" not in event  # no user code behind it
     console = io.StringIO()
     TurnLogger(json=False, stream=console).trajectory_ended(fine)
     assert "trajectory" in console.getvalue() and not console.getvalue().startswith("{")
+
+    where = "Traceback (most recent call last):\n  File \"my_env.py\", line 3, in step\nValueError: my bug"
+    failed.errors.append(EnvError(ErrorClass.ENV_EXCEPTION, "env E.step raised", traceback=where).record(0))
+    stream, console = io.StringIO(), io.StringIO()
+    TurnLogger(json=True, stream=stream).trajectory_ended(failed)
+    TurnLogger(json=False, stream=console).trajectory_ended(failed)
+    [event] = log_lines(stream)
+    assert event["exception"] == where  # the turn log says where the env failed
+    assert 'File "my_env.py", line 3, in step' in console.getvalue()  # below the line, on a console
     with pytest.raises(ValueError, match="log level must be one of"):
         TurnLogger(level="verbose")
 

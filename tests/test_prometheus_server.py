@@ -7,6 +7,7 @@ Needs the `prometheus` binary (Debian's `prometheus` package; CI's .ci/run insta
 from __future__ import annotations
 
 import shutil
+import socket
 import subprocess
 import threading
 from collections.abc import Iterator
@@ -60,13 +61,15 @@ class ScrapeCounter:
             self._changed.notify_all()
 
 
-def prometheus_config(exporter_port: int, path: Path) -> Path:
-    """deploy/prometheus.yml with its target set to the exporter, short intervals, rule files by absolute path."""
+def prometheus_config(exporter_port: int | None, path: Path) -> Path:
+    """deploy/prometheus.yml with short intervals and rule files by absolute path, and its target the exporter
+    at `exporter_port`; None: only the target files its file_sd_configs finds (beside `path`, as they are
+    beside deploy/prometheus.yml)."""
     config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
     config["global"].update(scrape_interval="500ms", scrape_timeout="500ms", evaluation_interval="500ms")
     config["rule_files"] = [str(DEPLOY / name) for name in config["rule_files"]]
     (job,) = [j for j in config["scrape_configs"] if j["job_name"] == "turnstile"]
-    job["static_configs"] = [{"targets": [f"127.0.0.1:{exporter_port}"]}]
+    job["static_configs"] = [{"targets": [f"127.0.0.1:{exporter_port}"]}] if exporter_port is not None else []
     path.write_text(yaml.safe_dump(config))
     return path
 
@@ -231,3 +234,42 @@ async def test_prometheus_scrapes_a_finished_run_and_loads_the_alerts(tokenizer,
             for panel, expr in dashboard_queries().items():
                 assert "$" not in expr, panel
                 await prometheus.query(expr)  # the response says success (valid PromQL, no matching errors)
+
+
+@pytest.mark.slow
+@pytest.mark.anyio
+async def test_prometheus_finds_an_engine_by_the_target_file_it_writes_while_it_serves(tokenizer, tmp_path):
+    """metrics_sd_dir, read by the shipped config's file_sd_configs: no address is written into the config."""
+    binary = prometheus_binary()
+    targets = tmp_path / "targets"  # as deploy/targets beside deploy/prometheus.yml
+    config_path = prometheus_config(None, tmp_path / "prometheus.yml")
+    async with RolloutEngine(
+        backend=DeterministicBackend(),
+        encoder=ChatEncoder(tokenizer),
+        env_factory=env_factory(),
+        source=rows(2),
+        config=config(metrics_port=0, metrics_sd_dir=str(targets)),
+    ) as engine:
+        groups = await engine.rollout(2)
+        counter = ScrapeCounter()
+        engine.exporter.registry.register(counter)
+        [target_file] = targets.glob("turnstile-*.json")
+        assert target_file == engine.exporter.target_file
+        async with PrometheusServer(binary, config_path, tmp_path) as prometheus:
+            await prometheus.wait_for_scrapes(counter, 2)
+            await prometheus.wait_until_ready()
+            [up] = await prometheus.query('up{job="turnstile"}')
+            assert up["metric"]["instance"] == f"127.0.0.1:{engine.exporter.port}" and up["value"][1] == "1"
+            assert up["metric"]["node"] and up["metric"]["pid"]  # the labels the target file gives
+            finished = await prometheus.value('sum(turnstile_trajectories_finished_total{job="turnstile"})')
+            assert finished == sum(len(g.trajectories) for g in groups)
+    assert list(targets.iterdir()) == []  # gone with the exporter
+
+
+def test_a_wildcard_metrics_host_is_advertised_as_this_nodes_address():
+    from engine.metrics.prometheus import reachable_host
+
+    assert reachable_host("127.0.0.1") == "127.0.0.1"
+    for wildcard in ("0.0.0.0", "::"):
+        address = reachable_host(wildcard)
+        assert address not in ("0.0.0.0", "::", "") and socket.getaddrinfo(address, None)

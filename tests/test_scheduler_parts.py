@@ -117,7 +117,7 @@ def test_per_turn_budgets_are_per_class_and_reset_each_turn():
     server, timeout = BackendError(ErrorClass.SERVER, "503"), EnvError(ErrorClass.ENV_TIMEOUT, "slow")
     assert [budget.charge(server, 0), budget.charge(server, 0), budget.charge(server, 0)] == [0, 1, None]
     assert budget.charge(timeout, 0) == 0 and budget.charge(timeout, 0) is None
-    assert budget.spent_in(0) == 3
+    assert budget.total == 3
     assert budget.charge(server, 1) == 0  # a new turn, a fresh per-turn budget
     assert budget.charge(BackendError(ErrorClass.CLIENT, "400"), 1) is None  # not retried at all
     assert budget.total == 4

@@ -247,7 +247,7 @@ def test_turnstile_run_through_the_router(tmp_path, doubles, router):
     for double in doubles:
         double.weight_version = "step-7"
     out = tmp_path / "router.jsonl"
-    argv = ["run", "--backend", "sglang", "--url", router.url, "--num-prompts", "2", "--max-turns", "2"]
+    argv = ["run", "--backend", "sglang", "--url", router.url, "--tokenizer", "qwen2.5", "--num-prompts", "2", "--max-turns", "2"]
     assert main([*argv, "--max-new-tokens", "4", "--out", str(out)]) == 0
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(records) == 2
@@ -267,7 +267,7 @@ def test_turnstile_run_fails_in_one_line_when_the_routers_workers_are_down(tmp_p
         router = SGLangRouter([f"http://127.0.0.1:{free_port()}"], wait_for_workers=False).start()
         expected = f"turnstile: the sglang backend at {router.url} is not healthy: sglang-router at {router.url}"
     try:
-        argv = ["run", "--backend", "sglang", "--url", router.url, "--num-prompts", "1"]
+        argv = ["run", "--backend", "sglang", "--url", router.url, "--tokenizer", "qwen2.5", "--num-prompts", "1"]
         code = main([*argv, "--out", str(tmp_path / "x.jsonl")])
     finally:
         router.stop()

@@ -25,7 +25,7 @@ from tests import hooks
 from tests.fakes import DeterministicBackend
 from tests.test_bridge import DataSource
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+SLIME_DOC = Path(__file__).resolve().parents[1] / "docs" / "slime.md"
 
 
 def slime_args(**flags) -> SimpleNamespace:
@@ -230,8 +230,8 @@ def test_eval_with_group_rm_is_refused_as_slimes_eval_refuses_it():
         )
 
 
-def test_the_readme_lists_every_rollout_flag_as_the_registry_has_it():
-    assert markdown_table() in README.read_text()
+def test_the_slime_doc_lists_every_rollout_flag_as_the_registry_has_it():
+    assert markdown_table() in SLIME_DOC.read_text()
     options = [flag.option for flag in FLAGS]
     assert len(options) == len(set(options)) and {f.handling for f in FLAGS} == set(Handling)
 

@@ -118,7 +118,7 @@ async def test_env_exception_fails_the_trajectory_with_the_reason(encoder):
     trajectory, _ = await run(encoder, [reply(encoder, "1"), reply(encoder, "2")], env, max_turns=5)
     assert (trajectory.status, trajectory.stop_reason) == (Status.FAILED, StopReason.ENV_ERROR)
     [error] = trajectory.errors
-    assert error.error_class is ErrorClass.ENV_EXCEPTION and error.stage is Stage.ENV and error.turn == 2
+    assert error.error_class is ErrorClass.ENV_EXCEPTION and error.stage is Stage.ENV and error.turn == 1  # the second
     assert "ScriptedEnv.step" in error.message and "sandbox crashed" in error.message
     assert env.closed
     assert_masks(trajectory)

@@ -149,15 +149,26 @@ class BackendPool:
 
     async def health(self) -> bool:
         """True when any server is healthy."""
-        results = [False] * len(self.backends)
+        return any(await self._each_at_once("health"))
 
-        async def check(i: int) -> None:
-            results[i] = await self.backends[i].health()
+    async def health_problem(self) -> str | None:
+        """None when any server is healthy, else each server's problem."""
+        problems = await self._each_at_once("health_problem")
+        if any(problem is None for problem in problems):
+            return None
+        return "; ".join(f"server {i} ({b.url}): {problem}" for i, (b, problem) in enumerate(zip(self.backends, problems)))
+
+    async def _each_at_once(self, method: str) -> list[Any]:
+        """`method()` of every server, at once, in the servers' order (for calls that never raise)."""
+        results: list[Any] = [None] * len(self.backends)
+
+        async def call(i: int) -> None:
+            results[i] = await getattr(self.backends[i], method)()
 
         async with anyio.create_task_group() as tg:
             for i in range(len(self.backends)):
-                tg.start_soon(check, i)
-        return any(results)
+                tg.start_soon(call, i)
+        return results
 
     async def aclose(self) -> None:
         await self._each("aclose")

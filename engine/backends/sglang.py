@@ -296,6 +296,19 @@ class SGLangBackend:
         """True when the server, or any worker of the router, answers GET /health with 200. Never raises."""
         return await self._health_status() == 200
 
+    async def health_problem(self) -> str | None:
+        """None when healthy (as `health`), else what GET /health answered, in words to act on. Never raises."""
+        status = await self._health_status()
+        if status == 200:
+            return None
+        if status is None:
+            return f"GET /health: {self.url} cannot be reached"
+        why = {
+            404: f"nothing at {self.url} serves SGLang's API (an SGLang server or an sglang-router answers 200)",
+            503: "the server is starting (loading its model) or has no healthy worker; try once it answers 200",
+        }.get(status, "not 200")
+        return f"GET /health answered HTTP {status}: {why}"
+
     async def wait_until_healthy(self, timeout: float, *, poll_interval: float = 0.5) -> None:
         """Poll /health until it answers 200 (SGLang answers 503 while starting); CONNECTION error at the deadline."""
         last: int | None = None

@@ -17,8 +17,11 @@ under a timeout, so a blocking env (a subprocess, a sandbox call) never stalls t
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import inspect
+import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +30,8 @@ import anyio
 
 from engine.envs.deadlines import Deadlines
 from engine.errors import EnvError, EnvRetryableError, ErrorClass, TurnError
+
+log = logging.getLogger(__name__)
 
 
 class BaseInteractionEnv:
@@ -108,7 +113,8 @@ class EnvRunner:
         self.step_timeout = step_timeout
         self.limiter = limiter  # worker threads for sync envs; None: anyio's default (40 threads)
         self.deadlines: Deadlines | None = None  # the engine's shared timeout watcher; None: a timer per call
-        self._abandoned: threading.Event | None = None  # set when a sync call that timed out has returned
+        self.abandoned_calls: AbandonedCalls | None = None  # the engine's registry of calls left running
+        self._abandoned: _ThreadCall | None = None  # a sync call that timed out, until it returns
         self._methods: dict[str, tuple[Callable[..., Any] | None, bool]] = {}
         self._format = format_observation or getattr(env, "format_observation", None) or default_format_observation
 
@@ -120,7 +126,7 @@ class EnvRunner:
     def is_busy(self) -> bool:
         """A sync call that timed out is still running in its worker thread, touching the env: the env
         must not be called again (a retry needs a fresh env)."""
-        return self._abandoned is not None and not self._abandoned.is_set()
+        return self._abandoned is not None and not self._abandoned.returned.is_set()
 
     async def reset(self) -> dict[str, Any]:
         """Reset the env; returns its initial observation (often empty)."""
@@ -152,21 +158,33 @@ class EnvRunner:
         return message
 
     async def close(self, timeout: float = 10.0) -> None:
-        """Close the env, shielded from cancellation and bounded by `timeout`. Raises EnvError."""
+        """Close the env, shielded from cancellation and bounded by `timeout`. Raises EnvError.
+
+        An env whose call timed out and still runs in its thread is not waited for: that thread closes
+        it once the call returns (closing under the call could break either), and a failing close there
+        is logged, its trajectory having ended."""
+        if self._abandoned is not None and self._abandoned.then(self._close_in_thread):
+            return
         with anyio.move_on_after(timeout, shield=True):
-            if self.is_busy:  # let the abandoned call return first: closing under it could break either
-                # bounded in the thread too: a thread left waiting would keep the process from exiting
-                await anyio.to_thread.run_sync(self._abandoned.wait, timeout, abandon_on_cancel=True)
-                if self.is_busy:
-                    return  # still running after `timeout`: the env is left to it, unclosed (its timeout was counted)
             await self._call("close")
+
+    def _close_in_thread(self) -> None:
+        """The env's close, run by the thread of its abandoned call once that call returned."""
+        fn, is_async = self._method("close")
+        try:
+            if is_async:  # an event loop of its own, outside the context the call ran in
+                contextvars.Context().run(anyio.run, fn)
+            elif fn is not None:
+                fn()
+        except Exception:  # noqa: BLE001 -- its trajectory has ended; nothing is left to fail
+            log.warning("env %s.close raised, after its call that timed out returned", self.name, exc_info=True)
 
     async def _call(self, method: str, *args: Any) -> Any:
         """Call the env's `a<method>` coroutine if it has one, else `<method>` in a worker thread.
 
-        `reset` and `step` run under `step_timeout`. A sync call past it is abandoned: its thread
-        may still be running and touching the env, so `is_busy` holds until it returns and the env
-        is not to be called again (retry on a fresh env)."""
+        `reset` and `step` run under `step_timeout`. A sync call its caller leaves (past the timeout, or
+        cancelled) is abandoned: its thread may still be running and touching the env, so `is_busy`
+        holds until it returns and the env is not to be called again (retry on a fresh env)."""
         if self.is_busy:
             raise EnvError(
                 ErrorClass.ENV_EXCEPTION, f"env {self.name}.{method}: an earlier call that timed out is still running"
@@ -174,22 +192,29 @@ class EnvRunner:
         fn, is_async = self._method(method)
         result = call = None
         timeout = None if method == "close" else self.step_timeout
-        with self._timeout(timeout) as scope:
-            try:
-                if is_async:
-                    result = await fn(*args)
-                elif fn is not None:
-                    call = _ThreadCall(fn)
-                    result = await anyio.to_thread.run_sync(call, *args, abandon_on_cancel=True, limiter=self.limiter)
-            except EnvRetryableError as exc:
-                raise EnvError(ErrorClass.ENV_RETRYABLE, f"env {self.name}.{method} asked for a retry: {exc}") from exc
-            except TurnError:  # classified already (an env's own EnvError, its LLM judge's JUDGE): as it is
-                raise
-            except Exception as exc:
-                raise EnvError(ErrorClass.ENV_EXCEPTION, f"env {self.name}.{method} raised {exc!r}") from exc
+        try:
+            with self._timeout(timeout) as scope:
+                try:
+                    if is_async:
+                        result = await fn(*args)
+                    elif fn is not None:
+                        call = _ThreadCall(fn)
+                        result = await anyio.to_thread.run_sync(
+                            call, *args, abandon_on_cancel=True, limiter=self.limiter
+                        )
+                except EnvRetryableError as exc:
+                    message = f"env {self.name}.{method} asked for a retry: {exc}"
+                    raise EnvError(ErrorClass.ENV_RETRYABLE, message) from exc
+                except TurnError:  # classified already (an env's own EnvError, its LLM judge's JUDGE): as it is
+                    raise
+                except Exception as exc:
+                    raise EnvError(ErrorClass.ENV_EXCEPTION, f"env {self.name}.{method} raised {exc!r}") from exc
+        finally:
+            if call is not None and call.give_up():  # left before it returned: it runs on in its thread
+                self._abandoned = call
+                if self.abandoned_calls is not None:
+                    self.abandoned_calls.add(call, f"{self.name}.{method}")
         if scope is not None and scope.cancelled_caught:
-            if call is not None:
-                self._abandoned = call.give_up()
             raise EnvError(ErrorClass.ENV_TIMEOUT, f"env {self.name}.{method} timed out after {self.step_timeout}s")
         return result
 
@@ -215,33 +240,104 @@ class EnvRunner:
 _NO_TIMEOUT = contextlib.nullcontext()
 
 
+class AbandonedCalls:
+    """Sync env calls their callers left (past their timeout, or cancelled) that still run in their worker
+    threads. The process waits for them when it exits (worker threads are not daemons), so whoever ends it
+    can say what it is waiting for, and for how long at most (`describe`, `wait`)."""
+
+    def __init__(self) -> None:
+        self._calls: dict[_ThreadCall, str] = {}  # call -> "Env.method"
+        self._lock = threading.Lock()
+
+    def add(self, call: _ThreadCall, what: str) -> None:
+        with self._lock:
+            self._calls[call] = what
+        if not call.then_forget(self):  # it returned meanwhile
+            self.discard(call)
+
+    def discard(self, call: _ThreadCall) -> None:
+        with self._lock:
+            self._calls.pop(call, None)
+
+    def __len__(self) -> int:
+        return len(self._calls)
+
+    def describe(self) -> str:
+        """`GuessEnv.step (running 28s), ...`: what still runs, longest first."""
+        now = time.monotonic()
+        with self._lock:
+            calls = sorted(self._calls.items(), key=lambda item: item[0].started)
+        return ", ".join(f"{what} (running {now - call.started:.0f}s)" for call, what in calls)
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for every call to return; True when none runs any more."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                call = next(iter(self._calls), None)
+            if call is None:
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0 or not call.returned.wait(left):
+                return False
+            self.discard(call)
+
+
 class _ThreadCall:
     """A sync env call for a worker thread, which knows, once its caller has given up on it (a timeout),
-    whether it will never run (it timed out waiting for a thread) or is running, touching the env."""
+    whether it will never run (it timed out waiting for a thread) or is running, touching the env; what
+    is left to do once it returns (close the env, leave the registry of abandoned calls) is then done by
+    its thread."""
 
-    __slots__ = ("fn", "returned", "_lock", "_state")
+    __slots__ = ("fn", "returned", "started", "_lock", "_state", "_then", "_registry")
 
     def __init__(self, fn: Callable[..., Any]):
         self.fn, self.returned = fn, threading.Event()  # set once `fn` has returned or raised
+        self.started = 0.0  # time.monotonic() when it started running
         self._lock, self._state = threading.Lock(), "waiting"
+        self._then: Callable[[], None] | None = None
+        self._registry: AbandonedCalls | None = None
 
     def __call__(self, *args: Any) -> Any:
         with self._lock:
             if self._state == "given up":
                 return None  # its caller has gone: it never runs
-            self._state = "running"
+            self._state, self.started = "running", time.monotonic()
         try:
             return self.fn(*args)
         finally:
+            with self._lock:
+                self._state, then, registry = "returned", self._then, self._registry
             self.returned.set()
+            if registry is not None:
+                registry.discard(self)
+            if then is not None:
+                then()
 
-    def give_up(self) -> threading.Event | None:
-        """What to wait for before the env is called again: None where the call never ran, and never will."""
+    def give_up(self) -> bool:
+        """The caller has gone. True where the call runs on (the env is busy until `returned`); False where
+        it never ran, and never will, or has returned already."""
         with self._lock:
             if self._state == "waiting":
                 self._state = "given up"
-                return None
-        return None if self.returned.is_set() else self.returned
+                return False
+            return self._state == "running"
+
+    def then(self, fn: Callable[[], None]) -> bool:
+        """Have this call's thread run `fn` once the call returns; False (and `fn` not kept) where it has."""
+        with self._lock:
+            if self._state != "running":
+                return False
+            self._then = fn
+            return True
+
+    def then_forget(self, registry: AbandonedCalls) -> bool:
+        """Have this call's thread leave `registry` once the call returns; False where it has."""
+        with self._lock:
+            if self._state != "running":
+                return False
+            self._registry = registry
+            return True
 
 
 def _short(value: Any) -> str:

@@ -77,7 +77,11 @@ def load_env_module(path: str) -> ModuleType:
     try:
         return importlib.import_module(path)
     except Exception as exc:
-        raise EnvLoadError(f"env module {path!r} does not import: {exc!r}") from exc
+        hint = ""
+        file = Path(*path.split(".")).with_suffix(".py")
+        if isinstance(exc, ModuleNotFoundError) and path.startswith(str(exc.name)) and file.is_file():
+            hint = f"; {file} is a file here: give it as a path, {file}, or put its folder on PYTHONPATH"
+        raise EnvLoadError(f"env module {path!r} does not import: {exc!r}{hint}") from exc
 
 
 def _load_file(path: Path) -> ModuleType:

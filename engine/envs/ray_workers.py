@@ -44,7 +44,7 @@ from anyio.abc import TaskGroup
 from engine.envs.base import EnvRunner, StepResult
 from engine.envs.deadlines import Deadlines
 from engine.envs.loader import EnvFactory
-from engine.errors import EnvError, ErrorClass
+from engine.errors import EnvError, ErrorClass, user_traceback
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class Reply:
     whether a call of that env that timed out is still running there."""
 
     value: Any = None
-    error: tuple[str, str] | None = None
+    error: tuple[str, str, str | None] | None = None  # _as_data
     is_busy: bool = False
 
 
@@ -277,10 +277,11 @@ class RemoteEnvRunner:
         self.step_timeout = pool.factory.step_timeout
         self.limiter: anyio.CapacityLimiter | None = None  # the engine's threads for in-process envs: unused
         self.deadlines: Deadlines | None = None  # the engine's timeout watcher, for the worker's answer
+        self.abandoned_calls = None  # the engine's registry of sync calls left running: its calls run in the worker
         self._replay_safe = self._is_busy = False
         self._observation: Any = None  # of the last step, and its chat message or format error
         self._message: dict[str, Any] | None = None
-        self._format_error: tuple[str, str] | None = None
+        self._format_error: tuple[str, str, str | None] | None = None
 
     @property
     def replay_safe(self) -> bool:
@@ -309,7 +310,7 @@ class RemoteEnvRunner:
     def message(self, observation: dict[str, Any]) -> dict[str, Any]:
         """The chat message the worker formatted for the last step's observation."""
         if self._format_error is not None:
-            raise EnvError(ErrorClass(self._format_error[0]), self._format_error[1])
+            raise _from_data(self._format_error)
         if observation is not self._observation or self._message is None:
             raise EnvError(ErrorClass.ENV_EXCEPTION, f"env {self.name}: only its last step's observation is formatted")
         return self._message
@@ -378,11 +379,16 @@ class RemoteEnvRunner:
 def _raise(reply: Reply) -> None:
     """Raise the env's error a reply carries, as the EnvError it was in the worker."""
     if reply.error is not None:
-        raise EnvError(ErrorClass(reply.error[0]), reply.error[1])
+        raise _from_data(reply.error)
 
 
-def _as_data(exc: EnvError) -> tuple[str, str]:
-    return str(exc.error_class), exc.message
+def _as_data(exc: EnvError) -> tuple[str, str, str | None]:
+    """An env's error as Ray carries it: class, message, and where in the env's code it was raised."""
+    return str(exc.error_class), exc.message, exc.traceback or user_traceback(exc)
+
+
+def _from_data(error: tuple[str, str, str | None]) -> EnvError:
+    return EnvError(ErrorClass(error[0]), error[1], traceback=error[2])
 
 
 def _worker_lost() -> tuple[type[BaseException], ...]:

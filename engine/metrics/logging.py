@@ -94,12 +94,15 @@ class TurnLogger(Observer):
             turns=len(trajectory.turns),
             generated_tokens=trajectory.num_generated,
             response_tokens=trajectory.response_length,
-            retries=sum(turn.retries for turn in trajectory.turns),
+            retries=trajectory.num_retries,
             reward=trajectory.reward,
             weight_versions=sorted(set(trajectory.weight_versions)),
         )
         if trajectory.errors:
             fields["errors"] = [f"{e.error_class}: {e.message}" for e in trajectory.errors]
+            tracebacks = [e.traceback for e in trajectory.errors if e.traceback]
+            if tracebacks:  # where in the env's (or a hook's) code it failed; the console shows it below the line
+                fields["exception"] = tracebacks[-1]
         if trajectory.status is Status.FAILED:
             self.log.warning("trajectory", **fields)
         else:

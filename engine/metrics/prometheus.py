@@ -11,8 +11,14 @@ trajectory id. The server runs in a thread of its own; what it reads are copies 
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+import socket
+import sys
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, start_http_server
@@ -26,6 +32,8 @@ from engine.scheduler.queue import Phase
 
 if TYPE_CHECKING:
     from engine.engine import RolloutEngine
+
+log = logging.getLogger(__name__)
 
 PREFIX = "turnstile_"
 
@@ -238,26 +246,68 @@ class EngineCollector(Collector):
 
 
 class MetricsExporter:
-    """Serves one engine's /metrics over HTTP from a background thread."""
+    """Serves one engine's /metrics over HTTP from a background thread. With `sd_dir`, a Prometheus
+    file_sd target file there names where, while it serves: `turnstile-<host>-<port>.json`, holding
+    `[{"targets": ["<host>:<port>"], "labels": {"pid": ..., "node": ...}}]` (written whole, then renamed)."""
 
-    def __init__(self, engine: RolloutEngine, recorder: MetricsRecorder, *, host: str = "127.0.0.1", port: int = 0):
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        recorder: MetricsRecorder,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        sd_dir: str | None = None,
+    ):
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(EngineCollector(engine, recorder))
-        self.host, self.port = host, port
+        self.host, self.port, self.sd_dir = host, port, sd_dir
         self._server = None
         self._thread: threading.Thread | None = None
+        self.target_file: Path | None = None
 
     def start(self) -> str:
         self._server, self._thread = start_http_server(self.port, addr=self.host, registry=self.registry)
         self.port = self._server.server_port
+        log.info("serving /metrics at %s (pid %d on %s)", self.url, os.getpid(), socket.gethostname())
+        if self.sd_dir is not None:
+            self.target_file = _write_target(Path(self.sd_dir), reachable_host(self.host), self.port)
         return self.url
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}/metrics"
+        return f"http://{reachable_host(self.host)}:{self.port}/metrics"
 
     def stop(self) -> None:
+        if self.target_file is not None:
+            self.target_file.unlink(missing_ok=True)
+            self.target_file = None
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+
+
+def reachable_host(host: str) -> str:
+    """The address others reach a server bound to `host` at: `host` itself, or for a wildcard (0.0.0.0, ::)
+    this node's address (Ray's view of it inside a Ray job, else what the host name resolves to)."""
+    if host not in ("0.0.0.0", "::", ""):
+        return host
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        return ray.util.get_node_ip_address()
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return socket.gethostname()
+
+
+def _write_target(folder: Path, host: str, port: int) -> Path:
+    """A Prometheus file_sd target file for `host:port` in `folder` (made if missing); its path."""
+    folder.mkdir(parents=True, exist_ok=True)
+    target = folder / f"turnstile-{host}-{port}.json"
+    labels = {"pid": str(os.getpid()), "node": socket.gethostname()}
+    partial = target.with_suffix(".json.tmp")
+    partial.write_text(json.dumps([{"targets": [f"{host}:{port}"], "labels": labels}]) + "\n")
+    partial.replace(target)  # Prometheus never reads half a file
+    return target

@@ -99,7 +99,7 @@ class MetricsRecorder(Observer):
     def trajectory_ended(self, trajectory: Trajectory) -> None:
         self.trajectories[(str(trajectory.status), str(trajectory.stop_reason))] += 1
         self.trajectory_turns.observe(len(trajectory.turns))
-        self.trajectory_retries.observe(sum(turn.retries for turn in trajectory.turns))
+        self.trajectory_retries.observe(trajectory.num_retries)
 
     def group_dropped(self, group: Group, reason: str) -> None:
         self.groups_dropped[reason] += 1

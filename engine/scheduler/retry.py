@@ -90,9 +90,6 @@ class RetryBudget:
         self.total += 1
         return spent
 
-    def spent_in(self, turn: int) -> int:
-        return sum(self._this_turn.values()) if turn == self._turn and self._this_turn else 0
-
 
 @dataclass(frozen=True, slots=True)
 class BreakerStatistics:

@@ -25,7 +25,7 @@ import anyio
 
 from engine.backends.base import Backend, SamplingParams
 from engine.encoding import ChatEncoder
-from engine.envs.base import EnvRunner
+from engine.envs.base import AbandonedCalls, EnvRunner
 from engine.envs.deadlines import Deadlines
 from engine.errors import BackendError, EnvError, ErrorClass, InternalError, ResponseError, RewardError, TurnError
 from engine.metrics.events import Observer
@@ -103,6 +103,7 @@ class Scheduler:
         self.env_slots = PriorityLimiter(max_env_steps, name="env slots")
         self._env_threads = anyio.CapacityLimiter(max_env_steps)  # worker threads of sync envs
         self.deadlines = Deadlines()  # env step timeouts, one watcher for all (the engine runs `watch`)
+        self.abandoned_calls = AbandonedCalls()  # sync env calls past their timeout, still in their threads
         self._rng = random.Random(seed)
         self.seed_base = seed_base  # per-request sampling seeds: seed_base + index in group (None: unseeded)
         self._phase: dict[int, tuple[Phase, float]] = {}  # trajectory id -> (phase, since when)
@@ -167,7 +168,7 @@ class Scheduler:
                 try:
                     trajectory.reward = await self.score(self.reward_fn, trajectory, budget, trajectory)
                 except TurnError as exc:  # REWARD, or a class the reward function raised (an LLM judge's)
-                    trajectory.fail_after_end(exc.record(len(trajectory.turns)))
+                    trajectory.fail_after_end(exc.record(trajectory.current_turn))
         finally:
             if budget.total:
                 trajectory.metadata["retries"] = {str(cls): n for cls, n in budget.by_class.items()}
@@ -308,7 +309,6 @@ class Scheduler:
                     if foreign_abort:
                         return StopReason.ABORTED  # aborted by its caller: it ends here, tokens kept
                     continue  # paused mid-turn, with room left: the turn goes on once generation resumes
-                turn.retries = budget.spent_in(len(trajectory.turns))
                 turn.cut_at_cap = turn.finish_reason == "length" and stop is None
                 return stop
             finally:
@@ -357,7 +357,6 @@ class Scheduler:
             else:
                 self.breaker.record(True)
                 if trajectory.turns:
-                    trajectory.turns[-1].retries = budget.spent_in(len(trajectory.turns))
                     trajectory.turns[-1].env_queue_seconds += waited
                 return result
             finally:
@@ -381,7 +380,7 @@ class Scheduler:
             raise
         except Exception as exc:
             raise EnvError(ErrorClass.ENV_EXCEPTION, f"building the env raised {exc!r}") from exc
-        runner.limiter, runner.deadlines = self._env_threads, self.deadlines
+        runner.limiter, runner.deadlines, runner.abandoned_calls = self._env_threads, self.deadlines, self.abandoned_calls
         if runner.step_timeout is None:
             runner.step_timeout = self.retry.env_step_timeout_s
         env.runner = runner
@@ -446,6 +445,8 @@ class Scheduler:
             self._exhausted[error.error_class] += 1
             raise error.noted(f"retry budget spent after {budget.total} retries") from error
         self._retries[error.error_class] += 1
+        if trajectory.turns and not trajectory.is_ended:  # a retry of the turn in progress (not of a reward)
+            trajectory.turns[-1].retries += 1
         log.info("retrying trajectory %d after %s: %s", trajectory.id, error.error_class, error.message)
         return attempt
 

@@ -4,7 +4,8 @@
 # (turn-level scheduling, partial rollout with live envs, retries, Prometheus metrics).
 #
 # Run from a slime checkout (its train.py, scripts/models/ and examples/geo3k_vlm_multi_turn/env_geo3k.py),
-# with Turnstile installed (`pip install -e /path/to/turnstile[ray]`) or on PYTHONPATH:
+# with Turnstile installed beside slime's torch and transformers (`pip install /path/to/turnstile`: it
+# replaces none of the image's packages; the README's "Under slime"):
 #   TURNSTILE_DIR=/path/to/turnstile bash $TURNSTILE_DIR/examples/geo3k_vlm_multi_turn/run.sh
 set -euo pipefail
 
