@@ -90,7 +90,10 @@ def main() -> None:
     parser.add_argument("--hang-s", type=float, default=30.0)
     args = parser.parse_args()
     result = measure(args.step_timeout, args.hang_s)
-    targets = {"run_s_under_10": result["run_s"] < 10, "exit_after_summary_s_under_5": result["exit_after_summary_s"] < 5}
+    targets = {
+        "run_s_under_10": result["run_s"] < 10,
+        "exit_after_summary_s_under_5": result["exit_after_summary_s"] < 5,
+    }
     emit({"benchmark": "hung_env", **result, "targets": targets}, args.out)
 
 

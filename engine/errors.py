@@ -185,7 +185,7 @@ class InternalError(TurnError):
 
 # Frames left out of a user traceback: the engine's own, the standard library's, and those of the
 # libraries that ran the call (a user's code installed beside them, in site-packages, is kept).
-_OWN = tuple(str(Path(path).resolve()) + "/" for path in (Path(__file__).parent, Path(__file__).parent.parent / "bridge"))
+_OWN = tuple(str(path.resolve()) + "/" for path in (Path(__file__).parent, Path(__file__).parent.parent / "bridge"))
 _STDLIB = str(Path(tb.__file__).parent.resolve()) + "/"
 _RUNNERS = ("anyio", "sniffio", "ray")
 _MAX_FRAMES = 16

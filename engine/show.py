@@ -128,7 +128,8 @@ def _wanted(record: dict[str, Any], args: argparse.Namespace) -> bool:
 
 
 def _filters(args: argparse.Namespace) -> str:
-    said = ([f"id {', '.join(map(str, args.id))}"] if args.id else []) + ([f"status {args.status}"] if args.status else [])
+    said = [f"id {', '.join(map(str, args.id))}"] if args.id else []
+    said += [f"status {args.status}"] if args.status else []
     return f" with {' and '.join(said)}" if said else ""
 
 

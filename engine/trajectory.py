@@ -230,7 +230,7 @@ class Trajectory:
 
     @property
     def num_retries(self) -> int:
-        """Retries it spent in all (its turns', its env's resets', its reward's), as `metadata["retries"]` counts them."""
+        """Retries it spent in all (its turns', its env's resets', its reward's), as `metadata["retries"]` has them."""
         return sum(self.metadata.get("retries", {}).values())
 
     @property

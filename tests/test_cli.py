@@ -68,7 +68,8 @@ def test_sglang_backend_flag_drives_a_server(tmp_path, tokenizer):
     with SGLangDouble(weight_version="step-7") as server:
         server.script(Generate(token_ids=[15, 16]), Generate(token_ids=answer))
         out = tmp_path / "sglang.jsonl"
-        assert main(["run", "--backend", "sglang", "--url", server.url, "--tokenizer", "qwen2.5", "--num-prompts", "1", "--out", str(out)]) == 0
+        argv = ["run", "--backend", "sglang", "--url", server.url, "--tokenizer", "qwen2.5", "--num-prompts", "1"]
+        assert main([*argv, "--out", str(out)]) == 0
         sent = server.requests_to("/generate")
     [record] = read_lines(out)
     check_record(record)
@@ -190,7 +191,7 @@ def test_env_takes_a_short_name_and_rows_come_from_the_env_modules_make_prompts(
     assert message in capsys.readouterr().err
 
 
-def test_each_turn_carries_its_decoded_text_and_no_text_leaves_it_out(tmp_path, tokenizer):
+def test_each_turn_carries_its_decoded_text_and_no_text_leaves_it_out(tmp_path, capsys, tokenizer):
     out = tmp_path / "run.jsonl"
     argv = ["run", "--num-prompts", "2", "--max-turns", "3", "--max-new-tokens", "6"]
     assert main([*argv, "--out", str(out)]) == 0
@@ -207,9 +208,16 @@ def test_each_turn_carries_its_decoded_text_and_no_text_leaves_it_out(tmp_path, 
         assert observed and all(f"What is {record['metadata']['question']}?" in text for text in observed)
 
     bare = tmp_path / "bare.jsonl"
-    assert main([*argv, "--no-text", "--out", str(bare)]) == 0
+    assert main([*argv, "--no-text", "--log-level", "debug", "--out", str(bare)]) == 0
     for record in read_lines(bare):
         assert "prompt_text" not in record and all("response_text" not in turn for turn in record["turns"])
+    events = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line.startswith('{"trajectory"')]
+    turns = {(e["trajectory"], e["turn"]): e for e in events if e["event"] == "turn"}
+    for record in read_lines(bare):  # at debug level, the turn log has the text
+        for turn in record["turns"]:
+            begin = record["prompt_length"] + turn["start"]
+            generated = record["tokens"][begin : begin + turn["num_generated"]]
+            assert turns[(record["id"], turn["index"])]["response_text"] == decode(generated)
 
 
 HUNG_ENV = """
@@ -257,7 +265,8 @@ def test_a_hung_env_fails_its_trajectory_on_its_budget_and_the_process_exits_nam
     [record] = read_lines(out)
     assert (record["status"], record["stop_reason"]) == ("failed", "env_error")
     [error] = record["errors"]
-    assert error["class"] == "env_timeout" and error["turn"] == 0 and "retry budget spent after 2 retries" in error["message"]
+    assert error["class"] == "env_timeout" and error["turn"] == 0
+    assert "retry budget spent after 2 retries" in error["message"]
     assert record["turns"][0]["retries"] == 2 and record["metadata"]["retries"] == {"env_timeout": 2}
     lines = err.splitlines()
     summary = next(i for i, line in enumerate(lines) if line.startswith("1 trajectories in"))
@@ -267,15 +276,39 @@ def test_a_hung_env_fails_its_trajectory_on_its_budget_and_the_process_exits_nam
     assert exiting == "turnstile: exiting; 3 still running, their envs not closed"
 
 
+HALF_HUNG_ENV = """
+import threading
+from engine.envs.base import BaseInteractionEnv
+
+NEVER = threading.Event()
+
+
+class HalfEnv(BaseInteractionEnv):
+    def __init__(self, hangs):
+        self.hangs = hangs
+
+    def reset(self):
+        return {}, {}
+
+    def step(self, response_text):
+        if self.hangs:
+            NEVER.wait()
+        return {"obs_str": "done"}, True, {}
+
+
+def build_env(sample=None, args=None, **kw):
+    return HalfEnv(hangs=sample.metadata["i"] == 1)
+
+
+def make_prompts(n, seed=0, vision=False):
+    return [{"prompt": [{"role": "user", "content": "wait"}], "metadata": {"i": i}} for i in range(n)]
+"""
+
+
 def test_ctrl_c_ends_a_run_in_one_line_keeping_what_ended(tmp_path):
     """SIGINT while one trajectory hangs in its env and the other has been written: exit status 130, one line
     on stderr instead of a traceback, the ended trajectory kept."""
-    (tmp_path / "half_env.py").write_text(
-        HUNG_ENV.replace("NEVER.wait()  # hangs for good", "if sample_index: NEVER.wait()")
-        .replace("return HungEnv()", "env = HungEnv(); env.sample_index = sample.metadata['i']; return env")
-        .replace("def step(self, response_text):", "def step(self, response_text):\n        sample_index = self.sample_index")
-        .replace('[{"role": "user", "content": "wait"}]} for _ in range(n)]', '[{"role": "user", "content": "wait"}], "metadata": {"i": i}} for i in range(n)]')
-    )
+    (tmp_path / "half_env.py").write_text(HALF_HUNG_ENV)
     out = tmp_path / "out.jsonl"
     argv = ["run", "--env", str(tmp_path / "half_env.py"), "--num-prompts", "2", "--max-new-tokens", "4"]
     proc = turnstile(*argv, "--out", str(out))
@@ -318,7 +351,7 @@ def make_prompts(n, seed=0, vision=False):
 """
 
 
-def test_one_retried_step_is_one_retry_in_the_turn_event_the_trajectory_its_metadata_and_the_live_line(tmp_path, capsys):
+def test_one_retried_step_is_one_retry_in_the_turn_event_the_trajectory_the_metadata_and_live_line(tmp_path, capsys):
     (tmp_path / "once_env.py").write_text(FAILS_ONCE_ENV)
     out = tmp_path / "out.jsonl"
     argv = ["run", "--env", str(tmp_path / "once_env.py"), "--num-prompts", "1", "--max-new-tokens", "4"]

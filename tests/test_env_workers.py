@@ -311,7 +311,8 @@ async def test_an_env_that_fails_to_start_in_a_worker_fails_its_trajectory_only(
         raising = "in build_env" if failing.get("refuse") else "in reset"
         assert where.startswith("Traceback (most recent call last):") and raising in where, where
         assert "/engine/" not in where and "/ray/" not in where
-        assert where.splitlines()[-1] in ("KeyError: 'no sandbox for this task'", "OSError: the sandbox did not come up")
+        raised = ("KeyError: 'no sandbox for this task'", "OSError: the sandbox did not come up")
+        assert where.splitlines()[-1] in raised
     assert pool.statistics().num_envs == (0, 0)  # every env placed was released, closed where it was built
 
 

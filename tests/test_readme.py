@@ -36,7 +36,7 @@ def blocks(language: str) -> list[str]:
 
 def commands() -> list[str]:
     """The README's bash commands, in order, comments dropped."""
-    lines = [line.split("  #", 1)[0].split(" # ", 1)[0].strip() for body in blocks("bash") for line in body.splitlines()]
+    lines = [line.split(" # ", 1)[0].strip() for body in blocks("bash") for line in body.splitlines()]
     return [line for line in lines if line and not line.startswith("#")]
 
 
@@ -81,9 +81,8 @@ def test_every_python_script_runs_as_written(folder):
     scripts = [body for body in blocks("python") if not re.fullmatch(r"# [\w.]+\.py", body.splitlines()[0])]
     assert scripts
     for script in scripts:
-        proc = subprocess.run(
-            [str(REPO / ".venv" / "bin" / "python"), "-c", script], cwd=folder, capture_output=True, text=True, timeout=900
-        )
+        python = str(REPO / ".venv" / "bin" / "python")
+        proc = subprocess.run([python, "-c", script], cwd=folder, capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, f"{script}\n{proc.stderr[-4000:]}"
         assert proc.stdout.count("('completed', ") + proc.stdout.count("('truncated', ") > 0, proc.stdout
 

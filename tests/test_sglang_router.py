@@ -247,7 +247,8 @@ def test_turnstile_run_through_the_router(tmp_path, doubles, router):
     for double in doubles:
         double.weight_version = "step-7"
     out = tmp_path / "router.jsonl"
-    argv = ["run", "--backend", "sglang", "--url", router.url, "--tokenizer", "qwen2.5", "--num-prompts", "2", "--max-turns", "2"]
+    argv = ["run", "--backend", "sglang", "--url", router.url, "--tokenizer", "qwen2.5", "--num-prompts", "2"]
+    argv += ["--max-turns", "2"]
     assert main([*argv, "--max-new-tokens", "4", "--out", str(out)]) == 0
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(records) == 2

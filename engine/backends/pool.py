@@ -156,7 +156,8 @@ class BackendPool:
         problems = await self._each_at_once("health_problem")
         if any(problem is None for problem in problems):
             return None
-        return "; ".join(f"server {i} ({b.url}): {problem}" for i, (b, problem) in enumerate(zip(self.backends, problems)))
+        named = enumerate(zip(self.backends, problems, strict=True))
+        return "; ".join(f"server {i} ({backend.url}): {problem}" for i, (backend, problem) in named)
 
     async def _each_at_once(self, method: str) -> list[Any]:
         """`method()` of every server, at once, in the servers' order (for calls that never raise)."""

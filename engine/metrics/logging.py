@@ -2,8 +2,8 @@
 
     engine = RolloutEngine(..., observers=[TurnLogger(level="info", sample=0.1)])
 
-Events are JSON lines when the stream is not a terminal (or `json=True`), a readable console line
-otherwise. `sample` keeps that share of turn events (every k-th one), so 10,000 turns a second need
+With `decode`, a turn event carries the turn's text (`turnstile run --log-level debug`). Events are JSON
+lines when the stream is not a terminal (or `json=True`), a readable console line otherwise. `sample` keeps that share of turn events (every k-th one), so 10,000 turns a second need
 not reach the disk; trajectory events are always kept at their level (`failed` ones at warning).
 The logger is built for this observer alone (structlog's global configuration is left untouched).
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable, Sequence
 from typing import IO, TYPE_CHECKING, Any
 
 import orjson
@@ -45,7 +46,9 @@ class TurnLogger(Observer):
         json: bool | None = None,
         stream: IO[str] | None = None,
         sample: float = 1.0,
+        decode: Callable[[Sequence[int]], str] | None = None,
     ):
+        """`decode` (token ids to text): turn events carry the turn's `response_text` and `observation_text`."""
         if level not in LEVELS:
             raise ValueError(f"log level must be one of {sorted(LEVELS)}, got {level!r}")
         if not 0 < sample <= 1:
@@ -60,6 +63,7 @@ class TurnLogger(Observer):
             wrapper_class=structlog.make_filtering_bound_logger(LEVELS[level]),
         ).bind()  # bound once: the lazy proxy would rebind on every event
         self._every = max(1, round(1 / sample))
+        self._decode = decode
         self._seen = 0
 
     def turn_ended(self, trajectory: Trajectory, turn: Turn, outcome: str) -> None:
@@ -82,7 +86,14 @@ class TurnLogger(Observer):
             finish_reason=turn.finish_reason,
             outcome=outcome,
             weight_version=turn.weight_version,
+            **(self._texts(trajectory, turn) if self._decode is not None else {}),
         )
+
+    def _texts(self, trajectory: Trajectory, turn: Turn) -> dict[str, str]:
+        generated = trajectory.generated_ids(turn)
+        start = trajectory.prompt_length + turn.start + turn.num_generated
+        observed = trajectory.tokens[start : start + turn.num_observation]
+        return {"response_text": self._decode(generated), "observation_text": self._decode(observed)}
 
     def trajectory_ended(self, trajectory: Trajectory) -> None:
         fields: dict[str, Any] = dict(

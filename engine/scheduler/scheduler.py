@@ -380,7 +380,8 @@ class Scheduler:
             raise
         except Exception as exc:
             raise EnvError(ErrorClass.ENV_EXCEPTION, f"building the env raised {exc!r}") from exc
-        runner.limiter, runner.deadlines, runner.abandoned_calls = self._env_threads, self.deadlines, self.abandoned_calls
+        runner.limiter, runner.deadlines = self._env_threads, self.deadlines
+        runner.abandoned_calls = self.abandoned_calls
         if runner.step_timeout is None:
             runner.step_timeout = self.retry.env_step_timeout_s
         env.runner = runner
