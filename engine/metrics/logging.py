@@ -3,8 +3,9 @@
     engine = RolloutEngine(..., observers=[TurnLogger(level="info", sample=0.1)])
 
 With `decode`, a turn event carries the turn's text (`turnstile run --log-level debug`). Events are JSON
-lines when the stream is not a terminal (or `json=True`), a readable console line otherwise. `sample` keeps that share of turn events (every k-th one), so 10,000 turns a second need
-not reach the disk; trajectory events are always kept at their level (`failed` ones at warning).
+lines when the stream is not a terminal (or `json=True`), a readable console line otherwise. `sample`
+keeps that share of turn events (every k-th one), so 10,000 turns a second need not reach the disk;
+trajectory events are always kept at their level (`failed` ones at warning).
 The logger is built for this observer alone (structlog's global configuration is left untouched).
 """
 
