@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 
 from engine.envs import arith
-from engine.envs.base import AsyncInteractionEnv, BaseInteractionEnv, EnvRunner
+from engine.envs.base import AbandonedCalls, AsyncInteractionEnv, BaseInteractionEnv, EnvRunner
 from engine.envs.loader import EnvFactory, EnvLoadError, EnvSample, load_env_module
 from engine.errors import EnvError, EnvRetryableError, ErrorClass
 
@@ -229,9 +229,9 @@ async def test_step_past_timeout_is_env_timeout():
 
 @pytest.mark.anyio
 async def test_a_runner_whose_timed_out_step_still_runs_refuses_to_call_the_env_again():
-    env, timeouts = BlockingEnv(), HandFiredTimeouts()
+    env, timeouts, left = BlockingEnv(), HandFiredTimeouts(), AbandonedCalls()
     runner = EnvRunner(env, step_timeout=30.0)
-    runner.deadlines = timeouts
+    runner.deadlines, runner.abandoned_calls = timeouts, left
 
     async def times_out() -> None:
         with pytest.raises(EnvError, match="timed out"):
@@ -251,10 +251,11 @@ async def test_a_runner_whose_timed_out_step_still_runs_refuses_to_call_the_env_
         with anyio.fail_after(1):  # closing does not wait for the abandoned call
             await runner.close()
         assert runner.is_busy and not env.closed.is_set()  # nor closes the env under it
+        assert len(left) == 1 and left.describe().startswith("BlockingEnv.step (running ")
     finally:
         env.release.set()
-    assert await anyio.to_thread.run_sync(env.closed.wait, 10)  # the abandoned call's thread closes it on return
-    assert env.close_thread == first_thread and not runner.is_busy
+    assert await anyio.to_thread.run_sync(left.wait, 10) and len(left) == 0  # returned, its env closed first
+    assert env.closed.is_set() and env.close_thread == first_thread and not runner.is_busy
 
 
 @pytest.mark.anyio

@@ -306,13 +306,16 @@ class _ThreadCall:
         try:
             return self.fn(*args)
         finally:
-            with self._lock:
-                self._state, then, registry = "returned", self._then, self._registry
-            self.returned.set()
+            while True:  # what was left to this thread runs before the call counts as returned (the env is busy)
+                with self._lock:
+                    then, self._then = self._then, None
+                    if then is None:
+                        self._state, registry = "returned", self._registry
+                        self.returned.set()
+                        break
+                then()
             if registry is not None:
                 registry.discard(self)
-            if then is not None:
-                then()
 
     def give_up(self) -> bool:
         """The caller has gone. True where the call runs on (the env is busy until `returned`); False where
