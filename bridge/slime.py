@@ -12,13 +12,15 @@ cannot hold an env, is not used.
 
 The service lives as long as the process: on slime's `args` object (in-process), in a named Ray
 actor (`turnstile.ray_actor`), or, for `args=None`, in one embedded-default service per group size
-held by this module. That module-level holder is the one piece of global state: slime's function-path
-interface hands over nothing else that lasts.
+held by this module, with the embedded default's prompts when no data source is given either. These two
+module-level holders are the only global state: slime's function-path interface hands over nothing else
+that lasts.
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
 from typing import Any
 
 from bridge.convert import sample_class
@@ -45,7 +47,6 @@ except ImportError:  # slime is not installed: the same shapes
 
 
 _EMBEDDED: dict[int, RolloutService] = {}  # args=None: one service per group size (see the module docstring)
-_EMBEDDED_SOURCE: dict[None, EmbeddedSource] = {}  # args=None and no data source: its prompts, held across steps
 SERVICE_ATTRIBUTE = "_turnstile_service"
 
 
@@ -66,7 +67,7 @@ def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: b
                 "generate_rollout: data_source is None: slime passes its RolloutDataSource; "
                 "call it with one, or with args=None and no data source for the embedded default"
             )
-        data_source = _EMBEDDED_SOURCE.setdefault(None, EmbeddedSource())
+        data_source = _embedded_source()
     first = data_source.get_samples(1) if args is None else []  # args=None: learn the group size from the data
     service = service_for(args, group_size=len(first[0]) if first else None)
     target = service.settings.target_groups
@@ -129,6 +130,12 @@ class EmbeddedSource:
             )
         self._next += num
         return groups
+
+
+@functools.cache
+def _embedded_source() -> EmbeddedSource:
+    """args=None and no data source: one source for the process, so each step takes the next prompts."""
+    return EmbeddedSource()
 
 
 def service_for(args: Any, *, group_size: int | None) -> RolloutService:

@@ -199,27 +199,27 @@ def _scalar(annotation: Any) -> Any:
 def settings_from_flags(args: argparse.Namespace) -> Settings:
     """The defaults, under the YAML of `--config`, under the flags given."""
     values = read_yaml(args.config, Settings, "run", own=set(RUN_OPTIONS)) if args.config else {}
-    given = values.get("num_prompts", 1)
-    if isinstance(given, bool) or not isinstance(given, int) or given < 1:
-        raise ValueError(f"{args.config}: num_prompts: must be a whole number of at least 1, got {given!r}")
+    num_prompts = values.get("num_prompts", 1)
+    if isinstance(num_prompts, bool) or not isinstance(num_prompts, int) or num_prompts < 1:
+        raise ValueError(f"{args.config}: num_prompts: must be a whole number of at least 1, got {num_prompts!r}")
     for name, default in RUN_OPTIONS.items():  # the run's own options: a flag, else the YAML, else the default
         value = values.pop(name, default)
         if getattr(args, name, None) is None:
             setattr(args, name, value)
-    given_in_yaml = set(values)
+    from_yaml = set(values)  # the knobs whose values the YAML gives, unless a flag overrides them below
     for name, field in Settings.model_fields.items():
         if marker(field, Flag) is not None and getattr(args, name) is not None:
             values[name] = getattr(args, name)
+            from_yaml.discard(name)
     retry = {name: getattr(args, flag.replace("-", "_")) for name, flag in RETRY_FLAGS.items()}
     retry = {name: value for name, value in retry.items() if value is not None}
     given = values.get("retry") or {}
     if retry and isinstance(given, Mapping):  # a flag sets one retry knob; the YAML's others stay
         values["retry"] = {**given, **retry}
+        from_yaml.discard("retry")
     try:
         return Settings.model_validate(values)
     except ValidationError as exc:  # each problem named by where its value came from
-        flags = {n for n, f in Settings.model_fields.items() if marker(f, Flag) and getattr(args, n) is not None}
-        from_yaml = given_in_yaml - flags - ({"retry"} if retry else set())
         raise ValueError(problems(exc, lambda knob: f"{args.config}: {knob}" if knob in from_yaml else knob)) from exc
 
 

@@ -19,11 +19,9 @@ benchmarks/scale.py compares the three policies over 64 simulated servers.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from typing import Any
-
-import anyio
 
 from engine.backends.affinity import Placement, PolicyName, ServerLoad, make_placement
 from engine.backends.base import Backend, GenerateResult, SamplingParams
@@ -149,27 +147,15 @@ class BackendPool:
 
     async def health(self) -> bool:
         """True when any server is healthy."""
-        return any(await self._each_at_once("health"))
+        healthy, _ = await gather(self._calls("health"))
+        return any(healthy.values())
 
     async def health_problem(self) -> str | None:
         """None when any server is healthy, else each server's problem."""
-        problems = await self._each_at_once("health_problem")
-        if any(problem is None for problem in problems):
+        problems, _ = await gather(self._calls("health_problem"))
+        if any(problem is None for problem in problems.values()):
             return None
-        named = enumerate(zip(self.backends, problems, strict=True))
-        return "; ".join(f"server {i} ({backend.url}): {problem}" for i, (backend, problem) in named)
-
-    async def _each_at_once(self, method: str) -> list[Any]:
-        """`method()` of every server, at once, in the servers' order (for calls that never raise)."""
-        results: list[Any] = [None] * len(self.backends)
-
-        async def call(i: int) -> None:
-            results[i] = await getattr(self.backends[i], method)()
-
-        async with anyio.create_task_group() as tg:
-            for i in range(len(self.backends)):
-                tg.start_soon(call, i)
-        return results
+        return "; ".join(f"{server}: {problem}" for server, problem in problems.items())
 
     async def aclose(self) -> None:
         await self._each("aclose")
@@ -177,12 +163,15 @@ class BackendPool:
     async def _each(self, method: str, *args: object) -> dict[str, Any]:
         """`method` on every server at once, results by server. A server that fails is logged and left out;
         one BackendError, naming each failure, is raised only when every server failed."""
-        calls = {f"server {i} ({b!r})": partial(getattr(b, method), *args) for i, b in enumerate(self.backends)}
-        results, failures = await gather(calls)
+        results, failures = await gather(self._calls(method, *args))
         log_failures(f"BackendPool.{method}", failures)
         if failures and not results:
             raise combined_error(f"BackendPool.{method}", failures, len(self.backends))
         return results
+
+    def _calls(self, method: str, *args: object) -> dict[str, Callable[[], Awaitable[Any]]]:
+        """`method(*args)` of every server, by the server's name."""
+        return {f"server {i} ({b!r})": partial(getattr(b, method), *args) for i, b in enumerate(self.backends)}
 
     def statistics(self) -> list[dict[str, float]]:
         now = self._clock()
