@@ -349,6 +349,14 @@ FLAGS: tuple[Flag, ...] = (
         "Each turn's spec_* counts from SGLang's meta_info are summed into Sample.spec_info, as slime does.",
     ),
     Flag(
+        "sglang_tool_call_parser", "--sglang-tool-call-parser", None, _H,
+        "Names the model family (engine/families.py): turn ends, stop tokens, the tool envs' parser; unknown: refused.",
+    ),
+    Flag(
+        "sglang_reasoning_parser", "--sglang-reasoning-parser", None, _H,
+        "qwen3-thinking / deepseek-r1: turns start inside the reasoning; other known names accepted; unknown: refused.",
+    ),
+    Flag(
         "rollout_num_gpus", "--rollout-num-gpus", None, _H,
         "Divides Turnstile's per-GPU throughput metrics, as slime's perf/tokens_per_gpu_per_sec.",
     ),

@@ -99,13 +99,12 @@ class RolloutService:
         self._stop = anyio.Event()
         self.processor = _processor(s.tokenizer, vision=s.vision)
         self.tokenizer = self.processor.tokenizer if self.processor is not None else load_tokenizer(s.tokenizer)
-        self.encoder = ChatEncoder(
-            self.tokenizer, processor=self.processor, chat_template_kwargs=s.chat_template_kwargs
-        )
+        self.encoder = ChatEncoder.for_settings(self.tokenizer, s, processor=self.processor)
         self.scoring = SlimeScoring(self._args, self.tokenizer)
         async with self._backend() if self._given_backend is None else nullcontext(self._given_backend) as backend:
             self.backend = backend
             envs = EnvFactory(s.env_path, args=self._env_args, step_timeout=s.retry.env_step_timeout_s)
+            self.encoder.check_env(s.env_path, envs.observation_roles, skip_special_tokens=s.skip_special_tokens)
             hosting = hosted(envs, env_workers=s.env_workers, capacity=s.env_worker_capacity, ray_address=s.ray_address)
             with closing(hosting) as self.env_factory:  # env workers, when the envs run in them, end with the engine
                 self.engine = self._engine(s.engine_config(self.encoder.stop_token_ids), self.scoring, self._source)

@@ -89,6 +89,8 @@ def settings_from_args(args: Any) -> BridgeSettings:
         "env_path": get("rollout_interaction_env_path"),
         "tokenizer": get("hf_checkpoint"),
         "chat_template_kwargs": get("apply_chat_template_kwargs"),  # the model checks each value's type
+        "model_family": get("sglang_tool_call_parser"),
+        "reasoning_parser": get("sglang_reasoning_parser"),
         "url": url,
         "backend": "sglang" if url else None,
         "max_tokens": get("rollout_max_response_len"),

@@ -44,6 +44,7 @@ from pydantic.fields import FieldInfo
 
 from engine.backends.base import SamplingParams
 from engine.envs.builtin import resolve_env_path
+from engine.families import family_name, reasoning_parser_name
 from engine.scheduler.queue import Policy
 from engine.scheduler.retry import RetryPolicy
 from engine.turn import TurnLimits
@@ -299,6 +300,17 @@ class Settings(EngineConfig):
     """Keyword arguments of the chat template (Qwen3's enable_thinking), for the prompt and every observation."""
     vision: Annotated[bool, FLAG] = False
     """A VLM: the Qwen2.5-VL processor, images in prompts and observations."""
+    model_family: Annotated[
+        str | None, AfterValidator(family_name), Slime("`--sglang-tool-call-parser`"), FLAG
+    ] = None
+    """The model family, by SGLang's tool-call parser name (qwen25, qwen3_coder, glm45, glm47, kimi_k2, gpt-oss,
+    deepseekv31, llama3, mistral): how a turn ends and how its tool calls are written and parsed
+    (engine/families.py); unset: found from the chat template."""
+    reasoning_parser: Annotated[
+        str | None, AfterValidator(reasoning_parser_name), Slime("`--sglang-reasoning-parser`"), FLAG
+    ] = None
+    """SGLang's reasoning parser name; qwen3-thinking and deepseek-r1 say every turn starts inside the reasoning
+    (its opening `<think>` is the prompt's), as SGLang reads them; unset: as the generation prompt says."""
 
     # -- backend --------------------------------------------------------------------------------------
     backend: Annotated[

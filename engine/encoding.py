@@ -48,9 +48,11 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from engine.errors import ObservationError
+from engine.families import ModelFamily, find_family
 from engine.multimodal import ImagePayloads, load_image
 
 if TYPE_CHECKING:
+    from engine.parsers import ParsedTurn
     from engine.trajectory import Trajectory
 
 ASSISTANT_SENTINEL = "I am the assistant of this dummy conversation."
@@ -113,6 +115,8 @@ class ChatEncoder:
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         payloads: ImagePayloads | None = None,
+        family: ModelFamily | None = None,
+        force_reasoning: bool = False,
     ):
         self.tokenizer = tokenizer
         self.processor = processor
@@ -123,18 +127,85 @@ class ChatEncoder:
         if not getattr(self._renderer, "chat_template", None):
             name = getattr(tokenizer, "name_or_path", None) or type(tokenizer).__name__
             raise ValueError(f"tokenizer {name!r} has no chat template; set one (chat_template=...) before encoding")
-        self._prefix: dict[str, str] = {}  # observation role -> dummy text up to the end-of-turn token
+        self.family = family or find_family(self._renderer.chat_template)
+        self.force_reasoning = force_reasoning
+        self._prefix: dict[tuple[str, str], tuple[str, int]] = {}  # (role, tool) -> dummy text to its turn end, end id
         self._with_tools: dict[str, ChatEncoder] = {}  # tools (as JSON) -> an encoder that renders them
         self._dummy = self._dummy_conversation()
-        self.end_of_turn_id, self._end_of_turn_text = self._find_end_of_turn()
+        self._end_texts = self._find_end_tokens()
+        self.end_of_turn_id = self._end_for({"role": "user"})
         self.vision_token_ids = self._find_vision_tokens()
+        self.generation_prompt = self._find_generation_prompt()
+        self._arguments_as_text = self._takes_arguments_as_text()
+        self._sampled_ends = frozenset(self._ids(self.family.stop_tokens)) if self.family is not None else frozenset()
+        ends = self._ids(self.family.stop_tokens) if self.family is not None else [self.end_of_turn_id]
+        self._stop_ids = tuple(dict.fromkeys(t for t in (*ends, self.tokenizer.eos_token_id) if t is not None))
 
     # -- public ---------------------------------------------------------------------------------------
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
-        """Tokens that end the model's turn: the template's end-of-turn token and the tokenizer's EOS."""
-        eos = self.tokenizer.eos_token_id
-        return tuple(dict.fromkeys(t for t in (self.end_of_turn_id, eos) if t is not None))
+        """Tokens that end the model's turn: the family's stop tokens (the template's end-of-turn token when
+        the family is not known) and the tokenizer's EOS."""
+        return self._stop_ids
+
+    @property
+    def end_texts(self) -> tuple[str, ...]:
+        """The tokens (as text) that can end an assistant message in this template: the family's sampled and
+        history end tokens the tokenizer has, or the template's one end-of-turn token."""
+        return self._end_texts
+
+    @property
+    def opens_reasoning(self) -> bool:
+        """Whether the generation prompt opens a reasoning block the model continues (Qwen3-Thinking's and
+        DeepSeek-R1's `<think>\\n`): its turns start inside the reasoning."""
+        head, opened, tail = self.generation_prompt.rpartition("<think>")
+        return self.force_reasoning or (bool(opened) and "</think>" not in tail)
+
+    @classmethod
+    def for_settings(cls, tokenizer: Any, settings: Any, *, processor: Any = None) -> ChatEncoder:
+        """The encoder a run's settings ask for (`chat_template_kwargs`, `model_family`, `reasoning_parser`)."""
+        from engine.families import FORCED_REASONING, family_named
+
+        family = family_named(settings.model_family) if settings.model_family else None
+        return cls(
+            tokenizer,
+            processor=processor,
+            chat_template_kwargs=settings.chat_template_kwargs,
+            family=family,
+            force_reasoning=settings.reasoning_parser in FORCED_REASONING,
+        )
+
+    def check_env(self, env: str, roles: tuple[str, ...], *, skip_special_tokens: bool) -> None:
+        """One ValueError at start where an env that declares the roles of its observations cannot run with this
+        template: the template cannot render a message of such a role at all (gemma-3 has no tool role), or the
+        env reads tool calls (it sends tool observations) whose delimiters are special tokens decoding drops
+        (`skip_special_tokens`: Kimi-K2's, gpt-oss's, DeepSeek's)."""
+        for role in roles:
+            if (problem := self.role_problem(role)) is not None:
+                raise ValueError(f"env {env} sends {role!r} observations, but the chat template {problem}")
+        if "tool" in roles and skip_special_tokens and self.family is not None:
+            special = set(self.tokenizer.all_special_tokens) | {
+                t.content for t in self.tokenizer.added_tokens_decoder.values() if t.special
+            }
+            dropped = [d for d in self.family.parser.delimiters if d in special]
+            if dropped:
+                raise ValueError(
+                    f"env {env} reads tool calls, but the {self.family.name} family writes them with special tokens "
+                    f"({' '.join(dropped)}) that skip_special_tokens drops from the text the env reads: set "
+                    "skip_special_tokens: false (under slime, leave out --rollout-skip-special-tokens)"
+                )
+
+    def role_problem(self, role: str) -> str | None:
+        """Why the template cannot render an observation of `role` after the model's turn ("cannot render a
+        'tool' message: ..."), or None when it can."""
+        message: dict[str, Any] = {"role": role, "content": "x"}
+        if role == "tool":
+            message |= {"tool_call_id": "abcDEF123", "name": "tool"}  # 9 alphanumeric characters, as Mistral checks
+        try:
+            self._prefix_for(message)
+        except Exception as exc:  # noqa: BLE001 -- a template's raise_exception, whatever it raises
+            return f"cannot render a {role!r} message after an assistant turn: {' '.join(str(exc).split())}"
+        return None
 
     @property
     def image_token_id(self) -> int | None:
@@ -154,6 +225,8 @@ class ChatEncoder:
                 tools=tools,
                 chat_template_kwargs=self.template_kwargs,
                 payloads=self.payloads,
+                family=self.family,
+                force_reasoning=self.force_reasoning,
             )
         return self._with_tools[key]
 
@@ -179,16 +252,66 @@ class ChatEncoder:
     def encode_observation(self, message: dict[str, Any]) -> Encoded:
         """The tokens that follow the model's end-of-turn token: separator, the observation, the next
         generation prompt."""
-        text = self.render([*self._dummy, message], add_generation_prompt=True)
-        prefix = self._prefix_for(message)
+        text = self.render([*self._dummy_for(message), message], add_generation_prompt=True)
+        prefix, _ = self._prefix_for(message)
         if not text.startswith(prefix):  # the template renders the dummy turns differently for this message
-            prefix = text[: self._cut(text)]
+            prefix = text[: self._cut(text)[0]]
         return self._encode_text(text[len(prefix) :], _images_of([message]))
 
-    def closing_ids(self, generated: list[int]) -> list[int]:
-        """What to put before an observation when the model's turn did not end with its end-of-turn
-        token (a stop string, say): that token, so the trajectory still matches the template."""
-        return [] if generated and generated[-1] == self.end_of_turn_id else [self.end_of_turn_id]
+    def closing_ids(self, generated: list[int], message: dict[str, Any] | None = None) -> list[int]:
+        """What to put before an observation (`message`; a user message if not given) when the model's turn
+        did not end the way the template ends it before such a message: the template's token, so the
+        trajectory still matches it. A turn that ended on a stop token of its family ends there (gpt-oss's
+        `<|return|>` stands where history writes `<|end|>`), except where the stop token opens the next message
+        (GLM): then it must be the opener of this message's role."""
+        end = self._end_for(message or {"role": "user"})
+        last = generated[-1] if generated else None
+        if last == end:
+            return []
+        if self.family is not None and not self.family.opens_next and last in self._sampled_ends:
+            return []
+        return [end]
+
+    def parse_turn(self, generated: list[int], *, tools: list[dict[str, Any]] | None = None) -> ParsedTurn:
+        """The model's turn read by its family's output parser (Qwen2.5's without a family): content,
+        reasoning and tool calls. Raises the parser's MalformedCall."""
+        from engine.parsers import get_parser
+
+        parser = self.family.parser if self.family is not None else get_parser("qwen25")
+        text = self.assistant_text(generated)
+        return parser.parse(text, tools=tools or self.tools, in_reasoning=self.opens_reasoning)
+
+    def assistant_message(self, generated: list[int]) -> dict[str, Any]:
+        """The model's turn as a chat message a re-render takes, as an agent framework or a trainer would
+        build it: its content, its reasoning (`reasoning_content`, and harmony's `thinking`) and structured
+        `tool_calls`, by its family's parser. Plain text content when there is no family or the turn holds a
+        malformed call."""
+        text = self.assistant_text(generated)
+        if self.family is None:
+            return {"role": "assistant", "content": text}
+        from engine.parsers import MalformedCall
+
+        try:
+            parsed = self.parse_turn(generated)
+        except MalformedCall:
+            return {"role": "assistant", "content": text}
+        if not (parsed.reasoning or parsed.tool_calls) and parsed.content.strip() == text.strip():
+            return {"role": "assistant", "content": text}  # plain text: as written, not as a parser trims it
+        message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        if parsed.reasoning:
+            message["reasoning_content"] = message["thinking"] = parsed.reasoning
+        if parsed.tool_calls:
+            message["tool_calls"] = [
+                self.tool_call(call.id or f"call{i:05d}", call.name, call.arguments)
+                for i, call in enumerate(parsed.tool_calls)
+            ]
+        return message
+
+    def tool_call(self, call_id: str, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
+        """A structured tool call as this template takes it (OpenAI's shape): arguments as a mapping, or as
+        JSON text where the template writes them by string concatenation (DeepSeek-V3.1's)."""
+        value: Any = json.dumps(arguments, ensure_ascii=False) if self._arguments_as_text else arguments
+        return {"id": call_id, "type": "function", "function": {"name": name, "arguments": value}}
 
     def assistant_text(self, generated: list[int]) -> str:
         """The model's turn as message content for a re-render: decoded, end-of-turn token dropped."""
@@ -211,9 +334,7 @@ class ChatEncoder:
             raise ValueError("drift_check needs the prompt as chat messages; this trajectory's was rendered text")
         messages = list(trajectory.prompt)
         for turn in trajectory.turns:
-            messages.append(
-                {"role": "assistant", "content": self.assistant_text(trajectory.generated_ids(turn).tolist())}
-            )
+            messages.append(self.assistant_message(trajectory.generated_ids(turn).tolist()))
             if turn.observation is not None:
                 messages.append(turn.observation)
         ends_with_observation = bool(trajectory.turns) and trajectory.turns[-1].observation is not None
@@ -224,7 +345,7 @@ class ChatEncoder:
         ).token_ids
         actual = trajectory.tokens.tolist()
         position = next((i for i, (a, b) in enumerate(zip(actual, render, strict=False)) if a != b), None)
-        if position is None and len(render) < len(actual):
+        if position is None and len(render) < len(actual) and not self._ends_on_opener(actual, len(render)):
             position = len(render)
         if position is None:
             return DriftReport(exact=True, trailing=len(render) - len(actual))
@@ -238,6 +359,12 @@ class ChatEncoder:
             expected=self.tokenizer.decode(render[window], skip_special_tokens=False),
             actual=self.tokenizer.decode(actual[window], skip_special_tokens=False),
         )
+
+    def _ends_on_opener(self, actual: list[int], rendered: int) -> bool:
+        """Whether the one token past a render is the model's last stop token that opens the next message
+        (GLM's `<|user|>`): the model sampled it, the conversation has no next message to render it."""
+        opens = self.family is not None and self.family.opens_next
+        return opens and len(actual) == rendered + 1 and actual[-1] in self._sampled_ends
 
     # -- from the event loop -----------------------------------------------------------------------------
     async def aencode_prompt(
@@ -278,8 +405,18 @@ class ChatEncoder:
             return DUMMY_MESSAGES[1:]
         return DUMMY_MESSAGES
 
-    def _find_end_of_turn(self) -> tuple[int, str]:
-        """The added token the template writes right after an assistant message's content."""
+    def _find_end_tokens(self) -> tuple[str, ...]:
+        """The texts of the tokens that can end an assistant message: the family's, those of them the
+        tokenizer has; without a family, the added token the template writes right after an assistant
+        message's content."""
+        if self.family is not None:
+            present = tuple(token for token in self.family.end_tokens if self._ids((token,)))
+            if not present:
+                raise ValueError(
+                    f"the tokenizer has none of the {self.family.name} family's end-of-turn tokens "
+                    f"({' '.join(self.family.end_tokens)}); is it that model's tokenizer?"
+                )
+            return present
         text = self.render([*self._dummy, {"role": "user", "content": "x"}], add_generation_prompt=True)
         start = text.rfind(ASSISTANT_SENTINEL)
         if start < 0:
@@ -292,7 +429,27 @@ class ChatEncoder:
                 f"the chat template writes {tail[:40]!r} after the assistant's content, not an end-of-turn token; "
                 "delta encoding needs one to split turns"
             )
-        return first[0], token
+        return (token,)
+
+    def _takes_arguments_as_text(self) -> bool:
+        """Whether the template refuses a tool call's arguments as a mapping but takes them as JSON text."""
+        if self.family is None:
+            return False
+        call = {"id": "call00000", "type": "function", "function": {"name": "tool", "arguments": {"x": "y"}}}
+        messages = [*self._dummy[:-1], {"role": "assistant", "content": "", "tool_calls": [call]}]
+        try:
+            self.render(messages, add_generation_prompt=False)
+        except Exception:  # noqa: BLE001 -- `str + dict` in the template: it concatenates the arguments
+            return True
+        return False
+
+    def _find_generation_prompt(self) -> str:
+        """What the template writes for `add_generation_prompt` after a user message ("" when it is not a
+        plain suffix of the render without it)."""
+        messages = [*self._dummy, {"role": "user", "content": "x"}]
+        with_prompt = self.render(messages, add_generation_prompt=True)
+        without = self.render(messages, add_generation_prompt=False)
+        return with_prompt[len(without) :] if with_prompt.startswith(without) else ""
 
     def _find_vision_tokens(self) -> frozenset[int]:
         """Tokens only the VLM processor writes, never the model: the image and video placeholders, and
@@ -314,22 +471,58 @@ class ChatEncoder:
         marks -= set(self.tokenizer.encode(without, add_special_tokens=False))
         return frozenset(ids | (marks & set(self.tokenizer.added_tokens_decoder)))
 
-    def _prefix_for(self, message: dict[str, Any]) -> str:
-        """The rendered dummy turns before a message of this role, found once per role by rendering one
-        like it (its own fields, a stand-in content: templates check fields such as a tool call's id)."""
-        role = message.get("role", "user")
-        if role not in self._prefix:
-            probe = {**message, "content": "x"}
-            text = self.render([*self._dummy, probe], add_generation_prompt=True)
-            self._prefix[role] = text[: self._cut(text)]
-        return self._prefix[role]
+    def _ids(self, tokens: tuple[str, ...]) -> list[int]:
+        """The ids of those of `tokens` the tokenizer has as single tokens."""
+        ids = [self.tokenizer.convert_tokens_to_ids(token) for token in tokens]
+        return [i for i, token in zip(ids, tokens, strict=True) if i is not None and self._token(i) == token]
 
-    def _cut(self, text: str) -> int:
-        """Index just past the dummy assistant's end-of-turn token in a rendered dummy conversation."""
-        start = text.rfind(ASSISTANT_SENTINEL + self._end_of_turn_text)
-        if start < 0:
-            raise ObservationError("the chat template rendered the dummy conversation without its turn end")
-        return start + len(ASSISTANT_SENTINEL) + len(self._end_of_turn_text)
+    def _token(self, token_id: int) -> str | None:
+        return self.tokenizer.convert_ids_to_tokens(token_id)
+
+    def _end_for(self, message: dict[str, Any]) -> int:
+        """The token the template ends the model's turn with before a message like this one."""
+        return self._prefix_for(message)[1]
+
+    def _prefix_for(self, message: dict[str, Any]) -> tuple[str, int]:
+        """The rendered dummy turns before a message like this one, up to and including the end of the dummy
+        assistant's turn, and that end token's id; found once per role (and tool name) by rendering one like
+        it (its own fields, a stand-in content: templates check fields such as a tool call's id)."""
+        key = (message.get("role", "user"), str(message.get("name", "")) if message.get("role") == "tool" else "")
+        if key not in self._prefix:
+            probe = {**message, "content": "x"}
+            text = self.render([*self._dummy_for(message), probe], add_generation_prompt=True)
+            cut, token = self._cut(text)
+            self._prefix[key] = text[:cut], self.tokenizer.convert_tokens_to_ids(token)
+        return self._prefix[key]
+
+    def _dummy_for(self, message: dict[str, Any]) -> tuple[dict[str, Any], ...]:
+        """The dummy conversation before an observation. Before a tool message of a known family, its
+        assistant calls that tool (structured `tool_calls`, the sentinel as an argument), as templates that
+        name the call in the tool's header (harmony) or refuse a tool message without a call need; where the
+        template does not write such a call, the plain dummy."""
+        if message.get("role") != "tool" or self.family is None:
+            return self._dummy
+        call = self.tool_call(
+            str(message.get("tool_call_id") or "call00000"), str(message.get("name") or "tool"), {"x": ASSISTANT_SENTINEL}
+        )
+        dummy = (*self._dummy[:-1], {"role": "assistant", "content": "", "tool_calls": [call]})
+        try:
+            rendered = self.render([*dummy, {**message, "content": "x"}], add_generation_prompt=True)
+        except Exception:  # noqa: BLE001 -- a template without structured tool calls: the plain dummy
+            return self._dummy
+        return dummy if ASSISTANT_SENTINEL in rendered else self._dummy
+
+    def _cut(self, text: str) -> tuple[int, str]:
+        """Index just past the dummy assistant's end-of-turn token in a rendered dummy conversation (the first
+        end token after the sentinel's last occurrence), and that token."""
+        start = text.rfind(ASSISTANT_SENTINEL)
+        found = [(text.find(t, start), t) for t in self._end_texts] if start >= 0 else []
+        found = [(at, token) for at, token in found if at >= 0]
+        if not found:
+            ends = " or ".join(self._end_texts)
+            raise ObservationError(f"the chat template rendered the dummy conversation without its turn end ({ends})")
+        at, token = min(found)
+        return at + len(token), token
 
     def _for_template(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """A text tokenizer's template wants string content: join text parts, refuse images."""

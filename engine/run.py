@@ -62,6 +62,7 @@ class Run:
         )
         rows = _load_rows(args, config)  # after the env module is checked: its make_prompts, if no --prompts
         encoder = _encoder(config)
+        encoder.check_env(config.env_path, make_env.observation_roles, skip_special_tokens=config.skip_special_tokens)
         model = _local_model(config)
         make_env = hosted(
             make_env,
@@ -189,7 +190,7 @@ def _encoder(config: Settings) -> ChatEncoder:
         print(f"turnstile: tokenizer {name} (the server's, from GET /model_info)", file=sys.stderr)
     tokenizer = processor.tokenizer if processor is not None else load_tokenizer(name, config.chat_template)
     try:
-        return ChatEncoder(tokenizer, processor=processor, chat_template_kwargs=config.chat_template_kwargs)
+        return ChatEncoder.for_settings(tokenizer, config, processor=processor)
     except jinja2.TemplateError as exc:
         raise ValueError(f"the chat template does not render: {type(exc).__name__}: {exc}") from exc
 

@@ -33,6 +33,7 @@ import anyio
 
 from engine.backends.base import GenerateResult, SamplingParams
 from engine.encoding import ChatEncoder
+from engine.families import ModelFamily, find_family
 from engine.template_drift import (
     ENGINE_DOES,
     NUM_TURNS,
@@ -112,7 +113,7 @@ def _load(spec: str, chat_template: str | None, vision: bool) -> Target:
             target = Target(spec, processor.tokenizer, processor)
         else:
             target = Target(spec, load_tokenizer("qwen2.5", chat_template=template))
-        added = _add_control_tokens(target.tokenizer, template)
+        added = _add_control_tokens(target.tokenizer, template, find_family(template))
         vocabulary = "the embedded Qwen2.5-VL processor" if vision else "the embedded Qwen vocabulary"
         extra = f"; control tokens it lacks, added as special tokens: {' '.join(added)}" if added else ""
         return replace(target, notes=(f"rendered with {vocabulary}{extra}",))
@@ -142,13 +143,19 @@ def _set_template(processor: Any, template: str | None) -> None:
         processor.chat_template = processor.tokenizer.chat_template = template
 
 
-def _add_control_tokens(tokenizer: Any, template: str) -> list[str]:
-    """The template's `<|...|>` literals the vocabulary lacks, added as special tokens (Llama's headers over
-    the Qwen vocabulary), so the check sees the template's structure and not a foreign vocabulary's."""
+def _add_control_tokens(tokenizer: Any, template: str, family: ModelFamily | None) -> list[str]:
+    """The template's `<|...|>` literals and its family's special tokens that the vocabulary lacks, added as
+    special tokens (Llama's headers over the Qwen vocabulary), so the check sees the template's structure and
+    not a foreign vocabulary's."""
     vocab = tokenizer.get_vocab()
-    missing = sorted(set(CONTROL_TOKEN.findall(template)) - set(vocab))
+    wanted = set(CONTROL_TOKEN.findall(template)) | set(family.special_tokens if family is not None else ())
+    missing = sorted(wanted - set(vocab))
     if missing:
         tokenizer.add_special_tokens({"additional_special_tokens": missing}, replace_extra_special_tokens=False)
+    if family is not None:  # the templates that write the model's BOS or EOS write its own
+        for name in ("bos_token", "eos_token"):
+            if (token := getattr(family, name)) is not None:
+                setattr(tokenizer, name, token)
     return missing
 
 
@@ -197,6 +204,10 @@ def _check_scenario(target: Target, scenario: Scenario) -> Finding:
         )
     except Exception as exc:  # noqa: BLE001 -- any error here is the engine refusing the template
         return _raised(scenario, "encoder", exc, "the dummy conversation the encoder probes (system, user, assistant)")
+    if scenario.observation_role != "user" and (problem := encoder.role_problem(scenario.observation_role)):
+        return Finding(
+            scenario.name, scenario.description, False, Cause.NO_ROLE, f"the template {problem}", ENGINE_DOES["role"]
+        )
     return anyio.run(_run_scenario, encoder, scenario)
 
 
@@ -204,14 +215,23 @@ async def _run_scenario(encoder: ChatEncoder, scenario: Scenario) -> Finding:
     """The engine's steps, turn by turn; after each observation (and at the end) the conversation is
     re-rendered and compared with the trajectory."""
     trajectory = Trajectory(prompt=scenario.prompt())
-    replies = [encoder.tokenizer(text, add_special_tokens=False)["input_ids"] for text in scenario.replies()]
-    backend = _Replay([ids + [encoder.end_of_turn_id] for ids in replies])
+    observations = scenario.observations(encoder)
+    try:
+        replies = [
+            sampled_reply(encoder, scenario.prompt(), reply, following)
+            for reply, following in zip(
+                scenario.replies(encoder), [*observations, None], strict=True
+            )
+        ]
+    except Exception as exc:  # noqa: BLE001 -- the template cannot write the family's replies at all
+        return _raised(scenario, "prompt", exc, "a reply of the model")
+    backend = _Replay(replies)
     sampling = SamplingParams(max_new_tokens=4096, stop_token_ids=encoder.stop_token_ids)
     try:
         await encode_prompt(trajectory, encoder)
     except Exception as exc:  # noqa: BLE001 -- reported as the template's failure on this shape
         return _raised(scenario, "prompt", exc, "the prompt")
-    for index, observation in enumerate([*scenario.observations(), None]):
+    for index, observation in enumerate([*observations, None]):
         await generate_turn(trajectory, backend, sampling, LIMITS)
         if observation is not None:
             try:
@@ -232,6 +252,49 @@ async def _run_scenario(encoder: ChatEncoder, scenario: Scenario) -> Finding:
     return Finding(scenario.name, scenario.description, True)
 
 
+CONTENT_MARK = "REPLYCONTENTMARK"  # stands for a reply's content while the template writes the reply
+
+
+def sampled_reply(
+    encoder: ChatEncoder,
+    context: list[dict[str, Any]],
+    message: dict[str, Any],
+    following: dict[str, Any] | None,
+) -> list[int]:
+    """The tokens a model of the encoder's family samples for an assistant `message` after `context`,
+    stop token included: what the template writes for it as the conversation's last message after its
+    generation prompt (its reasoning, its tool calls in the family's syntax: the form the model was trained
+    to write), with the content exactly as given (a template that trims it in history does not trim what
+    the model samples), cut at its end token; a family whose turn ends on the next message's opener (GLM)
+    samples the opener of `following` (a user message's at the end). It is cut at the first stop token,
+    not at an end token of history (harmony ends its analysis message with `<|end|>` inside one turn)."""
+    content = message.get("content") or ""
+    if encoder.family is None:  # no syntax of its own to write: the content as text, then the template's end token
+        return [*encoder.tokenizer(content, add_special_tokens=False)["input_ids"], encoder.end_of_turn_id]
+    stand_in = {**message, "content": CONTENT_MARK} if content else message
+    for context in (context, [m for m in context if m.get("role") != "system"]):  # a template may move the system
+        before = encoder.render(context, add_generation_prompt=True)  # prompt once a reply follows (Mistral)
+        after = encoder.render([*context, stand_in], add_generation_prompt=False)
+        if after.startswith(before):
+            break
+    if after.startswith(before):
+        text = after[len(before) :]
+    else:  # the template writes the reply otherwise than after its own generation prompt (DeepSeek and GLM-4.7
+        # write `</think>` where the prompt opened `<think>`): the reasoning, `</think>`, then what follows it
+        rest = after[len(encoder.render(context, add_generation_prompt=False)) :]
+        if not (encoder.opens_reasoning and "</think>" in rest):
+            raise ValueError(f"the template's assistant message does not follow its generation prompt: {rest[:60]!r}")
+        text = f"{message.get('reasoning_content', '')}</think>{rest.split('</think>', 1)[1]}"
+    if CONTENT_MARK not in text and content:
+        raise ValueError(f"the template does not write an assistant message's content: {text[:60]!r}")
+    stops = [t for t in encoder.end_texts if encoder.family is None or t in encoder.family.stop_tokens]
+    at, token = min(((text.find(t), t) for t in stops if t in text), default=(len(text), None))
+    ids = encoder.tokenizer(text[:at].replace(CONTENT_MARK, content), add_special_tokens=False)["input_ids"]
+    if token is None:  # the template writes no end after it: the model stops on the next message's opener
+        return ids + encoder.closing_ids(ids, following)
+    return [*ids, encoder.tokenizer.convert_tokens_to_ids(token)]
+
+
 def _raised(scenario: Scenario, stage: str, exc: Exception, what: str) -> Finding:
     message = " ".join(str(exc.__cause__ or exc).split())
     if stage == "encoder" and isinstance(exc, ValueError):
@@ -247,7 +310,7 @@ class _Replay:
     The turn steps call nothing else of a backend."""
 
     def __init__(self, replies: list[list[int]]):
-        self.replies = replies
+        self.replies = list(replies)
 
     async def generate(
         self,

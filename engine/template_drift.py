@@ -32,6 +32,7 @@ class Cause(StrEnum):
     SEPARATORS = "separators differ"  # only whitespace between turns differs
     ROLES_ALTERNATE = "roles forced to alternate"  # the template raises on a role order
     TEMPLATE_RAISES = "template raises on a shape"  # the template raises on some other message shape
+    NO_ROLE = "no such role"  # the template cannot render a message of the observation's role at all (gemma-3's tool)
     NO_TURN_BOUNDARY = "no turn boundary"  # the encoder cannot find where the model's turn ends
 
 
@@ -48,6 +49,10 @@ ENGINE_DOES = {
     "observation": (
         "each observation of this shape fails to encode: its trajectory ends FAILED (encode_error; bad_observation "
         "has no retries by default), the run goes on."
+    ),
+    "role": (
+        "an env that declares observations of this role (OBSERVATION_ROLES) is refused at start with this error; "
+        "one that sends them undeclared fails each such trajectory (encode_error)."
     ),
     "rerender": (
         "delta encoding works, but the whole conversation does not render: with drift_check_every > 0 each checked "
@@ -147,18 +152,19 @@ SYSTEM = "You solve arithmetic problems step by step."
 QUESTION = "What is 17 + 25?"
 PLAIN = "The answer is {answer}."
 TOOL_CALL = '{{"name": "calc_score", "arguments": {{"answer": "{answer}"}}}}'
-REASONING = "<think>\nI add 17 and 25, attempt {i}.\n</think>\n\nThe answer is {answer}."
+THINKING = "I add 17 and 25, attempt {i}."
 TRAILING_NEWLINE = "The answer is {answer}.\n\n"
 
 
 @dataclass(frozen=True, slots=True)
 class Scenario:
-    """One conversation shape: the model's replies (canonical tokens of `reply`, then its end-of-turn token),
-    each answered by an observation of `observation_role`, under `tools` (or none)."""
+    """One conversation shape: the model's replies (`reply`: plain text, reasoning, a tool call or both, or
+    text ending in a blank line), each answered by an observation of `observation_role`, under `tools` (or
+    none). Each reply is an assistant message; `engine.template_check` writes it as the model samples it."""
 
     name: str
     description: str
-    reply: str = PLAIN
+    reply: str = "plain"  # plain | trailing | reasoning | call | reasoning+call
     observation_role: str = "user"
     tools: list[dict[str, Any]] | None = None
     has_system: bool = True
@@ -168,15 +174,37 @@ class Scenario:
         system = [{"role": "system", "content": SYSTEM}] if self.has_system else []
         return [*system, {"role": "user", "content": self._content(QUESTION, 84)}]
 
-    def replies(self) -> list[str]:
-        return [self.reply.format(i=i, answer=40 + i) for i in range(NUM_TURNS)]
+    def replies(self, encoder: ChatEncoder | None = None) -> list[dict[str, Any]]:
+        """The model's replies as assistant messages: for an encoder of a known family, reasoning in
+        `reasoning_content` (and harmony's `thinking`) and calls in `tool_calls` as its template takes them,
+        as the family's parser reads them; otherwise as text in the content: a call as its JSON, reasoning as
+        a `<think>` block."""
+        return [self._reply(i, 40 + i, encoder) for i in range(NUM_TURNS)]
 
-    def observations(self) -> list[dict[str, Any]]:
+    def _reply(self, i: int, answer: int, encoder: ChatEncoder | None) -> dict[str, Any]:
+        text = (TRAILING_NEWLINE if self.reply == "trailing" else PLAIN).format(answer=answer)
+        calls = self.reply.endswith("call")
+        thinking = THINKING.format(i=i) if self.reply.startswith("reasoning") else ""
+        if encoder is None or encoder.family is None:
+            body = TOOL_CALL.format(answer=answer) if calls else text
+            return {"role": "assistant", "content": f"<think>\n{thinking}\n</think>\n\n{body}" if thinking else body}
+        message: dict[str, Any] = {"role": "assistant", "content": "" if calls else text}
+        if thinking:
+            message["reasoning_content"] = message["thinking"] = thinking
+        if calls:
+            call_id = _call_id(i, encoder)
+            message["tool_calls"] = [encoder.tool_call(call_id, "calc_score", {"answer": str(answer)})]
+        return message
+
+    def observations(self, encoder: ChatEncoder | None = None) -> list[dict[str, Any]]:
         if self.observation_role == "tool":
             return [
-                {"role": "tool", "tool_call_id": f"call_{i}", "name": "calc_score", "content": f"{40 + i} is wrong."}
+                {
+                    "role": "tool", "tool_call_id": _call_id(i, encoder), "name": "calc_score",
+                    "content": f"{40 + i} is wrong.",
+                }
                 for i in range(NUM_TURNS - 1)
-            ]
+            ]  # fmt: skip
         text = "Feedback {i}: {answer} is not right, try again."
         return [
             {"role": "user", "content": self._content(text.format(i=i, answer=40 + i), 28 * (i + 2))}
@@ -190,15 +218,20 @@ class Scenario:
         return [{"type": "image", "image": image}, {"type": "text", "text": text}]
 
 
+def _call_id(i: int, encoder: ChatEncoder | None) -> str:
+    family = encoder.family if encoder is not None else None
+    return family.call_id("calc_score", i) if family is not None else f"call{i:05d}"
+
+
 SCENARIOS = (
     Scenario("user", "user observations, no tools list"),
     Scenario("no-system", "no system prompt, user observations", has_system=False),
     Scenario("user+tools", "user observations, a tools list", tools=TOOLS),
-    Scenario("tool", "tool observations (tool_call_id), no tools list", TOOL_CALL, "tool"),
-    Scenario("tool+tools", "tool observations, a tools list, replies that call it", TOOL_CALL, "tool", TOOLS),
-    Scenario("reasoning", "replies with <think> blocks, user observations", REASONING),
-    Scenario("reasoning+tool", "replies with <think> blocks, tool observations, tools", REASONING, "tool", TOOLS),
-    Scenario("trailing-space", "replies ending in a blank line, user observations", TRAILING_NEWLINE),
+    Scenario("tool", "tool observations (tool_call_id), no tools list", "call", "tool"),
+    Scenario("tool+tools", "tool observations, a tools list, replies that call it", "call", "tool", TOOLS),
+    Scenario("reasoning", "replies with reasoning, user observations", "reasoning"),
+    Scenario("reasoning+tool", "replies with reasoning and a call, tool observations, tools", "reasoning+call", "tool", TOOLS),
+    Scenario("trailing-space", "replies ending in a blank line, user observations", "trailing"),
     Scenario("images", "images in the prompt and in user observations", images=True),
 )
 
@@ -206,7 +239,7 @@ SCENARIOS = (
 def classify(encoder: ChatEncoder, trajectory: Trajectory, report: DriftReport) -> tuple[Cause, str]:
     """Why the full render differs from the trajectory at `report.position`, and one sentence saying so."""
     if report.part == "generated":
-        return Cause.HISTORY_REWRITTEN, _how_reply_changed(report)
+        return Cause.HISTORY_REWRITTEN, _how_reply_changed(encoder, report)
     if _whitespace_only(report.expected, report.actual):
         return Cause.SEPARATORS, "the full render has other whitespace between turns than the prompt and deltas carry"
     if report.part == "prompt":
@@ -237,15 +270,23 @@ def classify(encoder: ChatEncoder, trajectory: Trajectory, report: DriftReport) 
     return Cause.HISTORY_REWRITTEN, f"the full render writes the observation after turn {report.turn} differently"
 
 
-def _how_reply_changed(report: DriftReport) -> str:
-    n = report.turn
+def _how_reply_changed(encoder: ChatEncoder, report: DriftReport) -> str:
+    n, family = report.turn, encoder.family
     if _whitespace_only(report.expected, report.actual):
         return f"the template changes the whitespace of reply {n} (it trims the model's text)"
-    if "<think>" in report.actual and "<think>" not in report.expected:
-        return f"the template drops the reasoning (<think> block) of reply {n}"
+    for opener in ("<think>", "<|channel|>analysis"):
+        if opener in report.actual and opener not in report.expected:
+            return f"the template drops the reasoning ({opener}) of reply {n}"
     if "<think>" in report.expected and "<think>" not in report.actual:
         return f"the template adds a <think> block to reply {n} that the model did not write"
-    return f"the template renders reply {n} differently from what the model generated"
+    if family is not None:
+        sampled = [t for t in family.stop_tokens if t in report.actual and t not in report.expected]
+        written = [t for t in family.history_ends if t in report.expected]
+        if sampled and written:
+            return f"the template ends reply {n} with {written[0]} where the model sampled {sampled[0]}"
+        if "</think>" in report.actual and "</think>" not in report.expected:
+            return f"the template drops the reasoning of reply {n} (its </think>, after the generation prompt's <think>)"
+    return f"the template writes reply {n} differently from what the model generated (its text, or its tool call)"
 
 
 def _whitespace_only(expected: str, actual: str) -> bool:

@@ -24,6 +24,7 @@ from engine.backends.base import Backend, GenerateResult, SamplingParams
 from engine.encoding import ChatEncoder
 from engine.envs.base import EnvRunner, StepResult
 from engine.errors import ObservationError, PromptError, ResponseError, TurnError
+from engine.parsers import use_parser
 from engine.trajectory import STOP_OF_STAGE, StopReason, Trajectory, Turn
 
 SPEC_KEYS = ("spec_accept_token_num", "spec_draft_token_num", "spec_verify_ct", "completion_tokens")
@@ -142,11 +143,13 @@ async def step_env(
     runner: EnvRunner, trajectory: Trajectory, *, encoder: ChatEncoder, skip_special_tokens: bool = True
 ) -> StepResult:
     """Step 4: the env answers the model's last turn (decoded as SGLang's `text` would be, with or
-    without special tokens)."""
+    without special tokens). While it steps, `engine.parsers.current_parser()` is the model family's, so the
+    env's `parse_tool_calls(text, tools)` reads the family's syntax."""
     turn = trajectory.turns[-1]
     text = encoder.response_text(trajectory.generated_ids(turn).tolist(), skip_special_tokens=skip_special_tokens)
     started = time.monotonic()
-    step = await runner.step(text)
+    with use_parser(encoder.family.parser if encoder.family is not None else "qwen25"):
+        step = await runner.step(text)  # env code parsing tool calls gets the family's parser
     turn.env_seconds = time.monotonic() - started
     return step
 
@@ -173,7 +176,7 @@ async def observe(
     turn = trajectory.turns[-1]
     try:
         encoded = await encoder.aencode_observation(message)
-        closing = encoder.closing_ids(trajectory.generated_ids(turn).tolist())
+        closing = encoder.closing_ids(trajectory.generated_ids(turn).tolist(), message)
     except ObservationError:
         raise
     except Exception as exc:

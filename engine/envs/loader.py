@@ -136,6 +136,10 @@ class EnvFactory:
                 "build_env(sample=..., args=...) nor build_env(sample, args)"
             )
         self._by_keyword = by_keyword
+        roles = getattr(self.module, "OBSERVATION_ROLES", ())
+        if not (isinstance(roles, tuple | list) and all(isinstance(role, str) for role in roles)):
+            raise EnvLoadError(f"env module {path!r}: OBSERVATION_ROLES is {roles!r}, not a tuple of role names")
+        self.observation_roles: tuple[str, ...] = tuple(roles)  # what its observations may be, if it says
 
     def __call__(self, sample: Any = None) -> EnvRunner:
         """A runner around a fresh env for `sample` (an EnvSample or a slime Sample). Raises EnvLoadError."""

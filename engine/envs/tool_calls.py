@@ -1,15 +1,11 @@
-"""Qwen-style tool calls, parsed the one way every tool env shares, with one clear observation per mistake.
+"""Tool calls, parsed the one way every tool env shares, in the format of the model family that runs, with one
+clear observation per mistake.
 
-Qwen2.5's chat template tells the model to answer a tool with
-
-    <tool_call>
-    {"name": "python", "arguments": {"code": "print(6 * 7)"}}
-    </tool_call>
-
-`parse_tool_calls` finds those blocks in a reply and checks each against the tools the env offers (their
-arguments are pydantic models, which also give the JSON schema the prompt shows). A reply without a block
-gives no calls; a malformed one raises `MalformedToolCall`, whose `kind` says what was wrong and whose
-`observation` is the text to send back, so the model learns the format instead of being cut off:
+The family's output parser (engine/parsers: the one `use_parser` set, Qwen2.5's by default) finds the calls in
+a reply; `parse_tool_calls` then checks each against the tools the env offers (their arguments are pydantic
+models, which also give the JSON schema the prompt shows). A reply without a call gives no calls; a malformed
+one raises `MalformedToolCall`, whose `kind` says what was wrong and whose `observation` is the text to send
+back, with an example call in the family's own format, so the model learns the format instead of being cut off:
 
     python = Tool("python", "Run Python code.", PythonArguments, example={"code": "print(1 + 1)"})
     try:
@@ -22,9 +18,6 @@ docs/envs/tool_calls.md lists every malformed call and its observation (tests/te
 
 from __future__ import annotations
 
-import contextlib
-import json
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -32,9 +25,10 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
-_TAG = re.compile(r"</?tool_call>")
-_CALL_KEYS = ("name", "arguments")
+from engine.parsers import Malformed as SyntaxMistake
+from engine.parsers import MalformedCall, OutputParser, ToolCallText, current_parser
+from engine.parsers.scan import json_kind
+
 _TYPE_NAMES = {
     "string_type": "a string",
     "int_type": "an integer",
@@ -46,7 +40,8 @@ _TYPE_NAMES = {
 
 
 class Malformed(StrEnum):
-    """What is wrong with a tool call."""
+    """What is wrong with a tool call: the syntax mistakes a Qwen2.5 reply can make (every family's parser
+    names its own with engine.parsers.Malformed, whose values these share), then what the tools judge."""
 
     NO_CLOSING_TAG = "no_closing_tag"
     NO_OPENING_TAG = "no_opening_tag"
@@ -84,8 +79,9 @@ class Tool:
             "function": {"name": self.name, "description": self.description, "parameters": parameters},
         }
 
-    def example_call(self) -> str:
-        return f"{OPEN_TAG}\n{json.dumps({'name': self.name, 'arguments': dict(self.example)})}\n{CLOSE_TAG}"
+    def example_call(self, parser: OutputParser | None = None) -> str:
+        """The example call as the family writes it (the current family's by default)."""
+        return (parser or current_parser()).format_call(self.name, dict(self.example))
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,118 +93,66 @@ class ToolCall:
 
 
 class MalformedToolCall(ValueError):
-    """A reply whose tool call cannot be run: `kind` names the mistake, `detail` says where, and
-    `observation` is the message for the model (the mistake and a well-formed example call)."""
+    """A reply whose tool call cannot be run: `kind` names the mistake (a Malformed member, or the parser's
+    own for a syntax mistake only another family makes), `detail` says where, and `observation` is the
+    message for the model (the mistake and a well-formed example call in the family's format)."""
 
-    def __init__(self, kind: Malformed, detail: str, tools: Iterable[Tool] = ()):
+    def __init__(
+        self,
+        kind: Malformed | SyntaxMistake,
+        detail: str,
+        tools: Iterable[Tool] = (),
+        parser: OutputParser | None = None,
+    ):
         super().__init__(detail)
         self.kind = kind
         self.detail = detail
-        examples = "\n".join(tool.example_call() for tool in tools)
+        examples = "\n".join(tool.example_call(parser) for tool in tools)
         hint = f"\nA well-formed call:\n{examples}" if examples else ""
         self.observation = f"Tool call error ({kind}): {detail}.{hint}"
 
 
-def parse_tool_calls(text: str, tools: Iterable[Tool], *, max_calls: int | None = 1) -> list[ToolCall]:
-    """The tool calls in a model's reply, in order: [] when it has none. Raises MalformedToolCall for the
-    first thing wrong (tags, JSON, the tool's name, its arguments, or more than `max_calls` calls)."""
+def parse_tool_calls(
+    text: str, tools: Iterable[Tool], *, max_calls: int | None = 1, parser: OutputParser | None = None
+) -> list[ToolCall]:
+    """The tool calls in a model's reply, in order: [] when it has none. `parser` is the family's (the
+    current one by default); it gets the tools' schemas. Raises MalformedToolCall for the first thing wrong
+    (the call's syntax, the tool's name, its arguments, or more than `max_calls` calls)."""
+    parser = parser or current_parser()
     offered = {tool.name: tool for tool in tools}
-    bodies = _call_bodies(text, offered.values())
-    if max_calls is not None and len(bodies) > max_calls:
+    try:
+        calls = parser.parse(text, tools=[tool.schema() for tool in offered.values()]).tool_calls
+    except MalformedCall as error:
+        named = [offered[error.name]] if error.name in offered else offered.values()
+        raise MalformedToolCall(_kind(error.kind), error.detail, named, parser) from error
+    if max_calls is not None and len(calls) > max_calls:
         allowed = "one tool call" if max_calls == 1 else f"at most {max_calls} tool calls"
-        raise MalformedToolCall(
-            Malformed.TOO_MANY_CALLS,
-            f"the reply makes {len(bodies)} tool calls; make {allowed} per reply",
-            offered.values(),
-        )
-    return [_parse_call(body, number, offered) for number, body in enumerate(bodies, 1)]
+        detail = f"the reply makes {len(calls)} tool calls; make {allowed} per reply"
+        raise MalformedToolCall(Malformed.TOO_MANY_CALLS, detail, offered.values(), parser)
+    return [_validated(call, number, offered, parser) for number, call in enumerate(calls, 1)]
 
 
-def _call_bodies(text: str, tools: Iterable[Tool]) -> list[str]:
-    """The text between each `<tool_call>` and its `</tool_call>`; unbalanced tags raise."""
-    bodies, start = [], None
-    for tag in _TAG.finditer(text):
-        if tag.group() == OPEN_TAG:
-            if start is not None:
-                raise MalformedToolCall(
-                    Malformed.NESTED_CALL,
-                    f"a {OPEN_TAG} opens before the one before it is closed with {CLOSE_TAG}",
-                    tools,
-                )
-            start = tag.end()
-        elif start is None:
-            raise MalformedToolCall(Malformed.NO_OPENING_TAG, f"{CLOSE_TAG} without a {OPEN_TAG} before it", tools)
-        else:
-            bodies.append(text[start : tag.start()])
-            start = None
-    if start is not None:
-        raise MalformedToolCall(Malformed.NO_CLOSING_TAG, f"{OPEN_TAG} is never closed with {CLOSE_TAG}", tools)
-    return bodies
+def _kind(kind: SyntaxMistake) -> Malformed | SyntaxMistake:
+    """This module's member for a syntax mistake both enums name, else the parser's."""
+    try:
+        return Malformed(kind)
+    except ValueError:
+        return kind
 
 
-def _parse_call(body: str, number: int, offered: Mapping[str, Tool]) -> ToolCall:
-    tools = offered.values()
+def _validated(call: ToolCallText, number: int, offered: Mapping[str, Tool], parser: OutputParser) -> ToolCall:
+    """The call with its arguments validated by the tool's model (strict: "3" is not an integer)."""
     where = f"tool call {number}"
-    if not body.strip():
-        raise MalformedToolCall(Malformed.EMPTY_CALL, f"{where} is empty", tools)
-    call = _decode(body, where, tools)
-    if not isinstance(call, dict):
-        kind = _json_kind(call)
-        raise MalformedToolCall(
-            Malformed.NOT_AN_OBJECT, f'{where} is {kind}, not an object {{"name": ..., "arguments": ...}}', tools
-        )
-    if extra := sorted(set(call) - set(_CALL_KEYS)):
-        keys = ", ".join(repr(key) for key in extra)
-        raise MalformedToolCall(
-            Malformed.UNEXPECTED_KEY, f'{where} has {keys}; a call has only "name" and "arguments"', tools
-        )
-    name = call.get("name")
-    if not isinstance(name, str) or not name:
-        raise MalformedToolCall(Malformed.NO_NAME, f'{where} has no "name" string naming the tool', tools)
-    tool = offered.get(name)
+    tool = offered.get(call.name)
     if tool is None:
         names = ", ".join(repr(known) for known in offered) or "none"
-        raise MalformedToolCall(
-            Malformed.UNKNOWN_TOOL, f"{where} names the tool {name!r}; the tools are {names}", tools
-        )
-    return ToolCall(name, _arguments(call.get("arguments"), tool, where))
-
-
-def _decode(body: str, where: str, tools: Iterable[Tool]) -> Any:
-    """The JSON of a call's body; duplicate keys are refused (json would keep the last one silently)."""
-
-    def refuse_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        keys = [key for key, _ in pairs]
-        if duplicate := next((key for key in keys if keys.count(key) > 1), None):
-            raise MalformedToolCall(Malformed.DUPLICATE_KEY, f"{where} gives the key {duplicate!r} twice", tools)
-        return dict(pairs)
-
+        detail = f"{where} names the tool {call.name!r}; the tools are {names}"
+        raise MalformedToolCall(Malformed.UNKNOWN_TOOL, detail, offered.values(), parser)
     try:
-        return json.loads(body.strip(), object_pairs_hook=refuse_duplicates)
-    except json.JSONDecodeError as exc:
-        raise MalformedToolCall(
-            Malformed.INVALID_JSON,
-            f"{where} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}",
-            tools,
-        ) from exc
-
-
-def _arguments(value: Any, tool: Tool, where: str) -> dict[str, Any]:
-    """A call's arguments, validated by the tool's model. JSON text of an object is taken too, as
-    OpenAI-style calls carry their arguments as a string."""
-    if isinstance(value, str):
-        with contextlib.suppress(json.JSONDecodeError):
-            value = json.loads(value)
-    if not isinstance(value, dict):
-        given = "no" if value is None else f"{_json_kind(value)} as its"
-        raise MalformedToolCall(
-            Malformed.ARGUMENTS_NOT_AN_OBJECT, f'{where} has {given} "arguments"; give an object', [tool]
-        )
-    try:
-        return tool.arguments.model_validate(value, strict=True).model_dump()
+        return ToolCall(call.name, tool.arguments.model_validate(call.arguments, strict=True).model_dump())
     except ValidationError as exc:
         kind, detail = _first_problem(exc, tool)
-        raise MalformedToolCall(kind, f"{where} ({tool.name}): {detail}", [tool]) from exc
+        raise MalformedToolCall(kind, f"{where} ({tool.name}): {detail}", [tool], parser) from exc
 
 
 def _first_problem(exc: ValidationError, tool: Tool) -> tuple[Malformed, str]:
@@ -221,21 +165,13 @@ def _first_problem(exc: ValidationError, tool: Tool) -> tuple[Malformed, str]:
     if error["type"] == "extra_forbidden":
         return Malformed.UNEXPECTED_ARGUMENT, f"{argument!r} is not an argument (it takes: {takes})"
     if error["type"] in _TYPE_NAMES:
-        given = _json_kind(error["input"])
+        given = json_kind(error["input"])
         return (
             Malformed.WRONG_ARGUMENT_TYPE,
             f"the argument {argument!r} must be {_TYPE_NAMES[error['type']]}, not {given}",
         )
     why = error["msg"].removeprefix("Value error, ")
     return Malformed.INVALID_ARGUMENT, f"the argument {argument!r}: {why}"
-
-
-def _json_kind(value: Any) -> str:
-    """What a JSON value is, in words, with a short preview."""
-    kinds = {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "a list", dict: "an object"}
-    kind = "null" if value is None else kinds.get(type(value), type(value).__name__)
-    preview = json.dumps(value, default=str)
-    return f"{kind} ({preview[:40] + '...' if len(preview) > 43 else preview})"
 
 
 def _without_titles(schema: Any) -> Any:

@@ -24,6 +24,8 @@ from engine.envs.python_tool.env import DEFAULT_MAX_TURNS, PYTHON_TOOL, SYSTEM_P
 from engine.envs.python_tool.sandbox import SandboxLimits, SandboxResult, isolation, run_python
 from engine.envs.python_tool.tasks import TASKS, TASKS_BY_ID, Task
 
+OBSERVATION_ROLES = ("user", "tool")  # a tool's output comes back as a tool message: checked against the template
+
 __all__ = [
     "PYTHON_TOOL",
     "TASKS",
