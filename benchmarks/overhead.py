@@ -73,6 +73,7 @@ class FixedEncoder:
 
     stop_token_ids = (STOP,)
     vision_token_ids: frozenset[int] = frozenset()  # no VLM processor
+    family = None  # no model family: tool calls in the default (Qwen2.5) form
 
     def encode_prompt(self, prompt, images=None) -> Encoded:
         return Encoded(PROMPT_IDS)
@@ -86,7 +87,7 @@ class FixedEncoder:
     async def aencode_observation(self, message) -> Encoded:
         return self.encode_observation(message)
 
-    def closing_ids(self, generated) -> list[int]:
+    def closing_ids(self, generated, message=None) -> list[int]:
         return []
 
     def response_text(self, generated, *, skip_special_tokens: bool = True) -> str:
