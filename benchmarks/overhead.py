@@ -74,6 +74,7 @@ class FixedEncoder:
     stop_token_ids = (STOP,)
     vision_token_ids: frozenset[int] = frozenset()  # no VLM processor
     family = None  # no model family: tool calls in the default (Qwen2.5) form
+    opens_reasoning = False
 
     def encode_prompt(self, prompt, images=None) -> Encoded:
         return Encoded(PROMPT_IDS)
@@ -86,6 +87,9 @@ class FixedEncoder:
 
     async def aencode_observation(self, message) -> Encoded:
         return self.encode_observation(message)
+
+    def naming_the_call(self, message, generated, calls_before=0):
+        return message
 
     def closing_ids(self, generated, message=None) -> list[int]:
         return []

@@ -300,9 +300,7 @@ class Settings(EngineConfig):
     """Keyword arguments of the chat template (Qwen3's enable_thinking), for the prompt and every observation."""
     vision: Annotated[bool, FLAG] = False
     """A VLM: the Qwen2.5-VL processor, images in prompts and observations."""
-    model_family: Annotated[
-        str | None, AfterValidator(family_name), Slime("`--sglang-tool-call-parser`"), FLAG
-    ] = None
+    model_family: Annotated[str | None, AfterValidator(family_name), Slime("`--sglang-tool-call-parser`"), FLAG] = None
     """The model family, by SGLang's tool-call parser name (qwen25, qwen3_coder, glm45, glm47, kimi_k2, gpt-oss,
     deepseekv31, llama3, mistral): how a turn ends and how its tool calls are written and parsed
     (engine/families.py); unset: found from the chat template."""

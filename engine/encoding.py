@@ -307,6 +307,33 @@ class ChatEncoder:
             ]
         return message
 
+    def naming_the_call(self, message: dict[str, Any], generated: list[int], calls_before: int = 0) -> dict[str, Any]:
+        """A tool message with the call it answers named, as templates write it (harmony's header names the
+        tool, Kimi-K2's `## Return of functions.name:0`, Mistral's `[TOOL_RESULTS]` its id): an env that leaves
+        out `tool_call_id` or `name` gets the model's first call in this turn, its id as the model wrote it
+        (else the family's for the conversation's call number `calls_before`). Any other message, or a turn
+        without a well-formed call, is returned as it is."""
+        if (
+            message.get("role") != "tool"
+            or self.family is None
+            or (message.get("tool_call_id") and message.get("name"))
+        ):
+            return message
+        from engine.parsers import MalformedCall
+
+        try:
+            calls = self.parse_turn(generated).tool_calls
+        except MalformedCall:
+            return message
+        if not calls:
+            return message
+        call_id = calls[0].id or self.family.call_id(calls[0].name, calls_before)
+        return {
+            **message,
+            "tool_call_id": message.get("tool_call_id") or call_id,
+            "name": message.get("name") or calls[0].name,
+        }
+
     def tool_call(self, call_id: str, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
         """A structured tool call as this template takes it (OpenAI's shape): arguments as a mapping, or as
         JSON text where the template writes them by string concatenation (DeepSeek-V3.1's)."""
@@ -503,7 +530,9 @@ class ChatEncoder:
         if message.get("role") != "tool" or self.family is None:
             return self._dummy
         call = self.tool_call(
-            str(message.get("tool_call_id") or "call00000"), str(message.get("name") or "tool"), {"x": ASSISTANT_SENTINEL}
+            str(message.get("tool_call_id") or "call00000"),
+            str(message.get("name") or "tool"),
+            {"x": ASSISTANT_SENTINEL},
         )
         dummy = (*self._dummy[:-1], {"role": "assistant", "content": "", "tool_calls": [call]})
         try:

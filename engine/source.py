@@ -84,7 +84,7 @@ def check_row(row: Any, *, where: str) -> dict[str, Any]:
     if isinstance(row, dict) and "prompt" not in row and (others := sorted(set(row) & set(PROMPT_KEYS_ELSEWHERE))):
         raise ValueError(
             f"{where}: no 'prompt', but {others[0]!r}: a row gives its chat messages (or rendered text) as "
-            f"'prompt', e.g. {{\"prompt\": [{{\"role\": \"user\", \"content\": \"...\"}}]}}"
+            f'\'prompt\', e.g. {{"prompt": [{{"role": "user", "content": "..."}}]}}'
         )
     if not isinstance(row, dict) or not isinstance(row.get("prompt"), list | str):
         raise ValueError(f"{where}: 'prompt' must be a list of chat messages or rendered text")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -219,9 +220,7 @@ async def _run_scenario(encoder: ChatEncoder, scenario: Scenario) -> Finding:
     try:
         replies = [
             sampled_reply(encoder, scenario.prompt(), reply, following)
-            for reply, following in zip(
-                scenario.replies(encoder), [*observations, None], strict=True
-            )
+            for reply, following in zip(scenario.replies(encoder), [*observations, None], strict=True)
         ]
     except Exception as exc:  # noqa: BLE001 -- the template cannot write the family's replies at all
         return _raised(scenario, "prompt", exc, "a reply of the model")
@@ -253,6 +252,7 @@ async def _run_scenario(encoder: ChatEncoder, scenario: Scenario) -> Finding:
 
 
 CONTENT_MARK = "REPLYCONTENTMARK"  # stands for a reply's content while the template writes the reply
+REASONING_MARK = "REPLYREASONINGMARK"  # and for its reasoning
 
 
 def sampled_reply(
@@ -271,25 +271,36 @@ def sampled_reply(
     content = message.get("content") or ""
     if encoder.family is None:  # no syntax of its own to write: the content as text, then the template's end token
         return [*encoder.tokenizer(content, add_special_tokens=False)["input_ids"], encoder.end_of_turn_id]
-    stand_in = {**message, "content": CONTENT_MARK} if content else message
-    for context in (context, [m for m in context if m.get("role") != "system"]):  # a template may move the system
-        before = encoder.render(context, add_generation_prompt=True)  # prompt once a reply follows (Mistral)
-        after = encoder.render([*context, stand_in], add_generation_prompt=False)
+    reasoning = message.get("reasoning_content") or message.get("thinking") or ""
+    stand_in = {**message, "content": CONTENT_MARK} if content else dict(message)
+    if reasoning:
+        stand_in |= {key: REASONING_MARK for key in ("reasoning_content", "thinking") if key in message}
+    for shown in (context, [m for m in context if m.get("role") != "system"]):  # a template may move the system
+        before = encoder.render(shown, add_generation_prompt=True)  # prompt once a reply follows (Mistral)
+        after = encoder.render([*shown, stand_in], add_generation_prompt=False)
         if after.startswith(before):
             break
+    history = encoder.render(shown, add_generation_prompt=False)
     if after.startswith(before):
         text = after[len(before) :]
-    else:  # the template writes the reply otherwise than after its own generation prompt (DeepSeek and GLM-4.7
+    elif after.startswith(history) and encoder.opens_reasoning and "</think>" in after[len(history) :]:
+        # the template writes the reply otherwise than after its own generation prompt (DeepSeek and GLM-4.7
         # write `</think>` where the prompt opened `<think>`): the reasoning, `</think>`, then what follows it
-        rest = after[len(encoder.render(context, add_generation_prompt=False)) :]
-        if not (encoder.opens_reasoning and "</think>" in rest):
+        text = f"{REASONING_MARK if reasoning else ''}</think>{after[len(history) :].split('</think>', 1)[1]}"
+    else:  # the reply makes the template write history otherwise (Kimi-K2-Thinking and gpt-oss drop earlier turns'
+        # reasoning once a final answer follows them): what it writes after the generation prompt that opens it
+        marks = [after.rfind(mark) for mark in (REASONING_MARK, CONTENT_MARK) if mark in after]
+        start = after.rfind(encoder.generation_prompt, 0, min(marks)) if marks else -1
+        if start < 0:
+            rest = after[len(os.path.commonprefix([before, after])) :]
             raise ValueError(f"the template's assistant message does not follow its generation prompt: {rest[:60]!r}")
-        text = f"{message.get('reasoning_content', '')}</think>{rest.split('</think>', 1)[1]}"
+        text = after[start + len(encoder.generation_prompt) :]
     if CONTENT_MARK not in text and content:
         raise ValueError(f"the template does not write an assistant message's content: {text[:60]!r}")
     stops = [t for t in encoder.end_texts if encoder.family is None or t in encoder.family.stop_tokens]
     at, token = min(((text.find(t), t) for t in stops if t in text), default=(len(text), None))
-    ids = encoder.tokenizer(text[:at].replace(CONTENT_MARK, content), add_special_tokens=False)["input_ids"]
+    written = text[:at].replace(CONTENT_MARK, content).replace(REASONING_MARK, reasoning)
+    ids = encoder.tokenizer(written, add_special_tokens=False)["input_ids"]
     if token is None:  # the template writes no end after it: the model stops on the next message's opener
         return ids + encoder.closing_ids(ids, following)
     return [*ids, encoder.tokenizer.convert_tokens_to_ids(token)]

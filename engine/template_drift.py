@@ -230,7 +230,9 @@ SCENARIOS = (
     Scenario("tool", "tool observations (tool_call_id), no tools list", "call", "tool"),
     Scenario("tool+tools", "tool observations, a tools list, replies that call it", "call", "tool", TOOLS),
     Scenario("reasoning", "replies with reasoning, user observations", "reasoning"),
-    Scenario("reasoning+tool", "replies with reasoning and a call, tool observations, tools", "reasoning+call", "tool", TOOLS),
+    Scenario(
+        "reasoning+tool", "replies with reasoning and a call, tool observations, tools", "reasoning+call", "tool", TOOLS
+    ),
     Scenario("trailing-space", "replies ending in a blank line, user observations", "trailing"),
     Scenario("images", "images in the prompt and in user observations", images=True),
 )
@@ -285,7 +287,9 @@ def _how_reply_changed(encoder: ChatEncoder, report: DriftReport) -> str:
         if sampled and written:
             return f"the template ends reply {n} with {written[0]} where the model sampled {sampled[0]}"
         if "</think>" in report.actual and "</think>" not in report.expected:
-            return f"the template drops the reasoning of reply {n} (its </think>, after the generation prompt's <think>)"
+            return (
+                f"the template drops the reasoning of reply {n} (its </think>, after the generation prompt's <think>)"
+            )
     return f"the template writes reply {n} differently from what the model generated (its text, or its tool call)"
 
 

@@ -143,12 +143,14 @@ async def step_env(
     runner: EnvRunner, trajectory: Trajectory, *, encoder: ChatEncoder, skip_special_tokens: bool = True
 ) -> StepResult:
     """Step 4: the env answers the model's last turn (decoded as SGLang's `text` would be, with or
-    without special tokens). While it steps, `engine.parsers.current_parser()` is the model family's, so the
-    env's `parse_tool_calls(text, tools)` reads the family's syntax."""
+    without special tokens). While it steps, `engine.parsers.current_parser()` is the model family's (and
+    `reasoning_open()` says whether the turn started inside `<think>`), so the env's
+    `parse_tool_calls(text, tools)` reads the family's syntax and skips the reasoning."""
     turn = trajectory.turns[-1]
     text = encoder.response_text(trajectory.generated_ids(turn).tolist(), skip_special_tokens=skip_special_tokens)
     started = time.monotonic()
-    with use_parser(encoder.family.parser if encoder.family is not None else "qwen25"):
+    parser = encoder.family.parser if encoder.family is not None else "qwen25"
+    with use_parser(parser, in_reasoning=encoder.opens_reasoning):
         step = await runner.step(text)  # env code parsing tool calls gets the family's parser
     turn.env_seconds = time.monotonic() - started
     return step
@@ -170,13 +172,17 @@ async def observe(
     trajectory: Trajectory, message: dict[str, Any], encoder: ChatEncoder, limits: TurnLimits
 ) -> StopReason | None:
     """Step 5: the env's message appended with loss mask 0 (images on the rollout and the training
-    side), after the token closing the model's turn; TOKEN_BUDGET when there is no room left for it.
+    side), after the token closing the model's turn (a tool message naming the call it answers, from the
+    model's turn where the env did not); TOKEN_BUDGET when there is no room left for it.
     Encoded in a worker thread when the message has images or long text. A message the template or the
     processor cannot encode is a BAD_OBSERVATION."""
     turn = trajectory.turns[-1]
+    generated = trajectory.generated_ids(turn).tolist()
     try:
+        answered = sum(1 for t in trajectory.turns[:-1] if t.observation and t.observation.get("role") == "tool")
+        message = encoder.naming_the_call(message, generated, answered)
         encoded = await encoder.aencode_observation(message)
-        closing = encoder.closing_ids(trajectory.generated_ids(turn).tolist(), message)
+        closing = encoder.closing_ids(generated, message)
     except ObservationError:
         raise
     except Exception as exc:

@@ -127,3 +127,22 @@ def test_family_names_follow_sglang_and_unknown_ones_are_one_error():
     assert family_named("glm").name == "glm45"  # SGLang's alias
     with pytest.raises(ValueError, match="model family 'hermes2': not one of gpt-oss, glm47"):
         family_named("hermes2")
+
+
+def test_a_tool_message_without_the_call_it_answers_gets_the_models_call():
+    """Harmony names the tool in the tool message's header, Kimi-K2 the call id: an env that sends a bare tool
+    message (python_tool does) gets the model's call; one that names it keeps its own; a malformed turn's stays."""
+    tokenizer = family_tokenizer("moonshotai-Kimi-K2-Instruct")
+    encoder = ChatEncoder(tokenizer)
+    call = encoder.family.parser.format_call("run_python", {"code": "print(1)"}, index=3)
+    generated = tokenizer(call, add_special_tokens=False)["input_ids"]
+    bare = {"role": "tool", "content": "1"}
+    assert encoder.naming_the_call(bare, generated) == bare | {
+        "tool_call_id": "functions.run_python:3",
+        "name": "run_python",
+    }
+    named = bare | {"tool_call_id": "mine", "name": "other"}
+    assert encoder.naming_the_call(named, generated) == named
+    broken = tokenizer("<|tool_calls_section_begin|><|tool_call_begin|>", add_special_tokens=False)["input_ids"]
+    assert encoder.naming_the_call(bare, broken) == bare
+    assert encoder.naming_the_call({"role": "user", "content": "1"}, generated) == {"role": "user", "content": "1"}

@@ -207,7 +207,7 @@ def test_failed_trajectories_log_at_warning_with_where_the_env_failed_and_levels
     TurnLogger(json=False, stream=console).trajectory_ended(fine)
     assert "trajectory" in console.getvalue() and not console.getvalue().startswith("{")
 
-    where = "Traceback (most recent call last):\n  File \"my_env.py\", line 3, in step\nValueError: my bug"
+    where = 'Traceback (most recent call last):\n  File "my_env.py", line 3, in step\nValueError: my bug'
     failed.errors.append(EnvError(ErrorClass.ENV_EXCEPTION, "env E.step raised", traceback=where).record(0))
     stream, console = io.StringIO(), io.StringIO()
     TurnLogger(json=True, stream=stream).trajectory_ended(failed)

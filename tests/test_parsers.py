@@ -22,6 +22,7 @@ from engine.parsers import (
     ToolCallText,
     current_parser,
     get_parser,
+    reasoning_open,
     use_parser,
 )
 from tests.parser_outputs import DOCUMENTED, TOOLS
@@ -228,8 +229,12 @@ def test_a_malformed_turn_is_one_malformed_call_of_its_kind(family, text, kind):
 def test_every_family_has_each_kind_of_malformed_turn():
     families = {case[0] for case in MALFORMED}
     assert families == set(PARSERS)
-    kinds = {case[3] for case in MALFORMED}
-    assert kinds >= set(Malformed), set(Malformed) - kinds
+    kinds = {case[3] for case in MALFORMED} - {None}  # None: a case that is no mistake in that family
+    judged_by_tools = {  # parse_tool_calls finds these, not a parser: tests/test_tool_calls.py has each
+        Malformed.UNKNOWN_TOOL, Malformed.MISSING_ARGUMENT, Malformed.UNEXPECTED_ARGUMENT,
+        Malformed.WRONG_ARGUMENT_TYPE, Malformed.INVALID_ARGUMENT, Malformed.TOO_MANY_CALLS,
+    }  # fmt: skip
+    assert kinds == set(Malformed) - judged_by_tools, set(Malformed) - kinds
 
 
 def test_the_number_is_the_call_that_is_wrong():
@@ -378,6 +383,22 @@ def test_parse_tool_calls_reads_the_current_familys_calls(family):
         assert WEATHER.example_call() == parser.format_call("get_weather", {"city": "Paris"})
     assert parse_tool_calls(reply, [WEATHER], parser=parser) == [
         ToolCall("get_weather", {"city": "Beijing", "days": 3})
+    ]
+
+
+def test_markers_in_the_reasoning_a_prompt_opened_are_no_call():
+    """Qwen3-Thinking's and GLM-4.7's generation prompts open `<think>`: the text the env reads starts inside
+    the reasoning, where the model may well write `</tool_call>` or a section marker while thinking."""
+    call = get_parser("qwen25").format_call("get_weather", {"city": "Paris"})
+    reply = f"I must close with </tool_call> after the JSON.</think>\n\n{call}"
+    with use_parser("qwen25"), pytest.raises(MalformedToolCall):
+        parse_tool_calls(reply, [WEATHER])  # read as content: a stray closing tag
+    with use_parser("qwen25", in_reasoning=True):
+        assert reasoning_open()
+        assert parse_tool_calls(reply, [WEATHER]) == [ToolCall("get_weather", {"city": "Paris", "days": 1})]
+    assert not reasoning_open()
+    assert parse_tool_calls(reply, [WEATHER], in_reasoning=True) == [
+        ToolCall("get_weather", {"city": "Paris", "days": 1})
     ]
 
 

@@ -44,8 +44,8 @@ from anyio.abc import TaskGroup
 from engine.envs.base import EnvRunner, StepResult
 from engine.envs.deadlines import Deadlines
 from engine.envs.loader import EnvFactory
-from engine.parsers import current_parser, use_parser
 from engine.errors import EnvError, ErrorClass, user_traceback
+from engine.parsers import current_parser, reasoning_open, use_parser
 
 log = logging.getLogger(__name__)
 
@@ -92,12 +92,19 @@ class EnvWorker:
     async def reset(self, key: str, step_timeout: float | None) -> Reply:
         return await self._call(key, step_timeout, lambda runner: runner.reset())
 
-    async def step(self, key: str, response_text: str, step_timeout: float | None, parser: str = "qwen25") -> Reply:
+    async def step(
+        self,
+        key: str,
+        response_text: str,
+        step_timeout: float | None,
+        parser: str = "qwen25",
+        in_reasoning: bool = False,
+    ) -> Reply:
         """The step's (observation, done, info) and, unless done, its chat message or the format error; the
         env's tool calls read by `parser`, the model family's (`engine.parsers.use_parser`), as in process."""
 
         async def step(runner: EnvRunner) -> tuple[Any, ...]:
-            with use_parser(parser):
+            with use_parser(parser, in_reasoning=in_reasoning):
                 return await _step_and_format(runner, response_text)
 
         return await self._call(key, step_timeout, step)
@@ -309,7 +316,7 @@ class RemoteEnvRunner:
 
     async def step(self, response_text: str) -> StepResult:
         observation, done, info, self._message, self._format_error = await self._call(
-            "step", response_text, self.step_timeout, current_parser().name
+            "step", response_text, self.step_timeout, current_parser().name, reasoning_open()
         )
         self._observation = observation
         return StepResult(observation, done, info)

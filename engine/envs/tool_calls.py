@@ -20,13 +20,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from engine.parsers import Malformed as SyntaxMistake
-from engine.parsers import MalformedCall, OutputParser, ToolCallText, current_parser
+from engine.parsers import Malformed, MalformedCall, OutputParser, ToolCallText, current_parser, reasoning_open
 from engine.parsers.scan import json_kind
 
 _TYPE_NAMES = {
@@ -37,28 +35,6 @@ _TYPE_NAMES = {
     "list_type": "a list",
     "dict_type": "an object",
 }
-
-
-class Malformed(StrEnum):
-    """What is wrong with a tool call: the syntax mistakes a Qwen2.5 reply can make (every family's parser
-    names its own with engine.parsers.Malformed, whose values these share), then what the tools judge."""
-
-    NO_CLOSING_TAG = "no_closing_tag"
-    NO_OPENING_TAG = "no_opening_tag"
-    NESTED_CALL = "nested_call"
-    EMPTY_CALL = "empty_call"
-    INVALID_JSON = "invalid_json"
-    DUPLICATE_KEY = "duplicate_key"
-    NOT_AN_OBJECT = "not_an_object"
-    NO_NAME = "no_name"
-    UNEXPECTED_KEY = "unexpected_key"
-    UNKNOWN_TOOL = "unknown_tool"
-    ARGUMENTS_NOT_AN_OBJECT = "arguments_not_an_object"
-    MISSING_ARGUMENT = "missing_argument"
-    UNEXPECTED_ARGUMENT = "unexpected_argument"
-    WRONG_ARGUMENT_TYPE = "wrong_argument_type"
-    INVALID_ARGUMENT = "invalid_argument"
-    TOO_MANY_CALLS = "too_many_calls"
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,13 +69,13 @@ class ToolCall:
 
 
 class MalformedToolCall(ValueError):
-    """A reply whose tool call cannot be run: `kind` names the mistake (a Malformed member, or the parser's
-    own for a syntax mistake only another family makes), `detail` says where, and `observation` is the
-    message for the model (the mistake and a well-formed example call in the family's format)."""
+    """A reply whose tool call cannot be run: `kind` names the mistake (engine.parsers.Malformed, re-exported
+    here), `detail` says where, and `observation` is the message for the model (the mistake and a well-formed
+    example call in the family's format)."""
 
     def __init__(
         self,
-        kind: Malformed | SyntaxMistake,
+        kind: Malformed,
         detail: str,
         tools: Iterable[Tool] = (),
         parser: OutputParser | None = None,
@@ -113,31 +89,31 @@ class MalformedToolCall(ValueError):
 
 
 def parse_tool_calls(
-    text: str, tools: Iterable[Tool], *, max_calls: int | None = 1, parser: OutputParser | None = None
+    text: str,
+    tools: Iterable[Tool],
+    *,
+    max_calls: int | None = 1,
+    parser: OutputParser | None = None,
+    in_reasoning: bool | None = None,
 ) -> list[ToolCall]:
     """The tool calls in a model's reply, in order: [] when it has none. `parser` is the family's (the
-    current one by default); it gets the tools' schemas. Raises MalformedToolCall for the first thing wrong
-    (the call's syntax, the tool's name, its arguments, or more than `max_calls` calls)."""
+    current one by default); it gets the tools' schemas. `in_reasoning`: the reply starts inside its reasoning
+    (by default as the engine set it for this step), whose text is no call. Raises MalformedToolCall for the
+    first thing wrong (the call's syntax, the tool's name, its arguments, or more than `max_calls` calls)."""
     parser = parser or current_parser()
+    in_reasoning = reasoning_open() if in_reasoning is None else in_reasoning
     offered = {tool.name: tool for tool in tools}
+    schemas = [tool.schema() for tool in offered.values()]
     try:
-        calls = parser.parse(text, tools=[tool.schema() for tool in offered.values()]).tool_calls
+        calls = parser.parse(text, tools=schemas, in_reasoning=in_reasoning).tool_calls
     except MalformedCall as error:
         named = [offered[error.name]] if error.name in offered else offered.values()
-        raise MalformedToolCall(_kind(error.kind), error.detail, named, parser) from error
+        raise MalformedToolCall(error.kind, error.detail, named, parser) from error
     if max_calls is not None and len(calls) > max_calls:
         allowed = "one tool call" if max_calls == 1 else f"at most {max_calls} tool calls"
         detail = f"the reply makes {len(calls)} tool calls; make {allowed} per reply"
         raise MalformedToolCall(Malformed.TOO_MANY_CALLS, detail, offered.values(), parser)
     return [_validated(call, number, offered, parser) for number, call in enumerate(calls, 1)]
-
-
-def _kind(kind: SyntaxMistake) -> Malformed | SyntaxMistake:
-    """This module's member for a syntax mistake both enums name, else the parser's."""
-    try:
-        return Malformed(kind)
-    except ValueError:
-        return kind
 
 
 def _validated(call: ToolCallText, number: int, offered: Mapping[str, Tool], parser: OutputParser) -> ToolCall:

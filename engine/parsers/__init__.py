@@ -3,8 +3,9 @@ running code uses:
 
     parser = get_parser("kimi_k2")
     turn = parser.parse(text, tools=schemas)       # ParsedTurn(content, reasoning, tool_calls)
-    with use_parser("glm45"):                      # the engine sets this around each env step
+    with use_parser("glm45", in_reasoning=True):   # the engine sets this around each env step
         current_parser().name                      # "glm45"; "qwen25" outside any use_parser
+        reasoning_open()                           # True: the turn started inside <think> (the prompt opened it)
 
 docs/envs/tool_calls.md shows each family's format.
 """
@@ -34,6 +35,7 @@ __all__ = [
     "ToolCallText",
     "current_parser",
     "get_parser",
+    "reasoning_open",
     "use_parser",
 ]
 
@@ -55,6 +57,7 @@ PARSERS: MappingProxyType[str, OutputParser] = MappingProxyType(
     }
 )
 _CURRENT: ContextVar[OutputParser] = ContextVar("turnstile_output_parser", default=PARSERS[DEFAULT_PARSER])
+_IN_REASONING: ContextVar[bool] = ContextVar("turnstile_in_reasoning", default=False)
 
 
 def get_parser(name: str) -> OutputParser:
@@ -70,12 +73,20 @@ def current_parser() -> OutputParser:
     return _CURRENT.get()
 
 
+def reasoning_open() -> bool:
+    """Whether the turns `use_parser` set this context for start inside the reasoning: the generation prompt
+    opened `<think>` (Qwen3-Thinking, GLM-4.7, DeepSeek-R1), so the text the model wrote starts with it."""
+    return _IN_REASONING.get()
+
+
 @contextmanager
-def use_parser(parser: str | OutputParser) -> Iterator[OutputParser]:
-    """Make `parser` (or the parser of that name) the current one inside the block."""
+def use_parser(parser: str | OutputParser, *, in_reasoning: bool = False) -> Iterator[OutputParser]:
+    """Make `parser` (or the parser of that name) the current one inside the block, for turns that start
+    inside the reasoning when `in_reasoning`."""
     chosen = get_parser(parser) if isinstance(parser, str) else parser
-    token = _CURRENT.set(chosen)
+    token, opened = _CURRENT.set(chosen), _IN_REASONING.set(in_reasoning)
     try:
         yield chosen
     finally:
         _CURRENT.reset(token)
+        _IN_REASONING.reset(opened)

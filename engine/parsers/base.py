@@ -28,7 +28,8 @@ class ParsedTurn:
 
 
 class Malformed(StrEnum):
-    """A syntax mistake in a tool call (what the arguments mean is the tool's to judge)."""
+    """What is wrong with a tool call: a syntax mistake, which the family's parser finds (the first group), or
+    what the tools judge (the second: `engine.envs.tool_calls.parse_tool_calls` finds those)."""
 
     NO_CLOSING_TAG = "no_closing_tag"
     NO_OPENING_TAG = "no_opening_tag"
@@ -44,6 +45,13 @@ class Malformed(StrEnum):
     UNEXPECTED_TEXT = "unexpected_text"  # text inside a call or section that the format has no place for
     INVALID_VALUE = "invalid_value"  # an XML-valued argument its declared type cannot decode
     UNKNOWN_CHANNEL = "unknown_channel"  # a harmony message in no channel it knows
+
+    UNKNOWN_TOOL = "unknown_tool"
+    MISSING_ARGUMENT = "missing_argument"
+    UNEXPECTED_ARGUMENT = "unexpected_argument"
+    WRONG_ARGUMENT_TYPE = "wrong_argument_type"
+    INVALID_ARGUMENT = "invalid_argument"
+    TOO_MANY_CALLS = "too_many_calls"
 
 
 class MalformedCall(ValueError):

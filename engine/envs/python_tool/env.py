@@ -3,7 +3,8 @@
 Each reply is one of:
 
 - a tool call, `<tool_call>{"name": "python", "arguments": {"code": "..."}}</tool_call>` (or the running
-  model family's format, engine/envs/tool_calls.py): the code runs in a fresh sandboxed process (sandbox.py) and its exit status and output come back as a `tool` message;
+  model family's format, engine/envs/tool_calls.py): the code runs in a fresh sandboxed process
+  (sandbox.py) and its exit status and output come back as a `tool` message;
 - a final answer, `<answer>...</answer>`: the task's checker judges it, `info["reward"]` is 1.0 or 0.0,
   and the episode ends;
 - anything else (a malformed call, neither a call nor an answer): one observation saying what is wrong
