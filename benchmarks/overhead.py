@@ -88,7 +88,7 @@ class FixedEncoder:
     async def aencode_observation(self, message) -> Encoded:
         return self.encode_observation(message)
 
-    def naming_the_call(self, message, generated, calls_before=0):
+    def naming_the_calls(self, message, generated, calls_before=0):
         return message
 
     def closing_ids(self, generated, message=None) -> list[int]:

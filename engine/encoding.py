@@ -40,6 +40,7 @@ variants, image payloads) are filled idempotently or under a lock.
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass, field
 from functools import partial
@@ -249,22 +250,26 @@ class ChatEncoder:
             self.render(prompt, add_generation_prompt=True), _images_of(prompt) + list(images or [])
         )
 
-    def encode_observation(self, message: dict[str, Any]) -> Encoded:
-        """The tokens that follow the model's end-of-turn token: separator, the observation, the next
-        generation prompt."""
-        text = self.render([*self._dummy_for(message), message], add_generation_prompt=True)
-        prefix, _ = self._prefix_for(message)
-        if not text.startswith(prefix):  # the template renders the dummy turns differently for this message
+    def encode_observation(self, message: dict[str, Any] | list[dict[str, Any]]) -> Encoded:
+        """The tokens that follow the model's end-of-turn token: separator, the observation (a message, or
+        several: the results of parallel tool calls, a tool result and a user message), the next generation
+        prompt."""
+        messages = _as_messages(message)
+        text = self.render([*self._dummy_for(*messages), *messages], add_generation_prompt=True)
+        prefix, _ = self._prefix_for(messages[0])
+        if not text.startswith(prefix):  # the template renders the dummy turns differently for these messages
             prefix = text[: self._cut(text)[0]]
-        return self._encode_text(text[len(prefix) :], _images_of([message]))
+        return self._encode_text(text[len(prefix) :], _images_of(messages))
 
-    def closing_ids(self, generated: list[int], message: dict[str, Any] | None = None) -> list[int]:
+    def closing_ids(
+        self, generated: list[int], message: dict[str, Any] | list[dict[str, Any]] | None = None
+    ) -> list[int]:
         """What to put before an observation (`message`; a user message if not given) when the model's turn
         did not end the way the template ends it before such a message: the template's token, so the
         trajectory still matches it. A turn that ended on a stop token of its family ends there (gpt-oss's
         `<|return|>` stands where history writes `<|end|>`), except where the stop token opens the next message
         (GLM): then it must be the opener of this message's role."""
-        end = self._end_for(message or {"role": "user"})
+        end = self._end_for(_as_messages(message)[0] if message else {"role": "user"})
         last = generated[-1] if generated else None
         if last == end:
             return []
@@ -307,32 +312,38 @@ class ChatEncoder:
             ]
         return message
 
-    def naming_the_call(self, message: dict[str, Any], generated: list[int], calls_before: int = 0) -> dict[str, Any]:
-        """A tool message with the call it answers named, as templates write it (harmony's header names the
-        tool, Kimi-K2's `## Return of functions.name:0`, Mistral's `[TOOL_RESULTS]` its id): an env that leaves
-        out `tool_call_id` or `name` gets the model's first call in this turn, its id as the model wrote it
-        (else the family's for the conversation's call number `calls_before`). Any other message, or a turn
-        without a well-formed call, is returned as it is."""
-        if (
-            message.get("role") != "tool"
-            or self.family is None
-            or (message.get("tool_call_id") and message.get("name"))
-        ):
-            return message
+    def naming_the_calls(
+        self, observation: dict[str, Any] | list[dict[str, Any]], generated: list[int], calls_before: int = 0
+    ) -> dict[str, Any] | list[dict[str, Any]]:
+        """Tool messages with the calls they answer named, as templates write them (harmony's header names the
+        tool, Kimi-K2's `## Return of functions.name:0`, Mistral's `[TOOL_RESULTS]` its id): a tool message
+        that leaves out `tool_call_id` or `name` gets the model's call of its place in this turn (the first
+        tool message the first call), its id as the model wrote it, else the family's for the conversation's
+        call number (`calls_before` calls answered before this turn). Other messages, a turn without a
+        well-formed call and messages past its calls are returned as they are, in the observation's shape."""
+        messages = [observation] if isinstance(observation, dict) else list(observation)
+        unnamed = any(m.get("role") == "tool" and not (m.get("tool_call_id") and m.get("name")) for m in messages)
+        if self.family is None or not unnamed:
+            return observation
         from engine.parsers import MalformedCall
 
         try:
             calls = self.parse_turn(generated).tool_calls
         except MalformedCall:
-            return message
-        if not calls:
-            return message
-        call_id = calls[0].id or self.family.call_id(calls[0].name, calls_before)
-        return {
-            **message,
-            "tool_call_id": message.get("tool_call_id") or call_id,
-            "name": message.get("name") or calls[0].name,
-        }
+            return observation
+        named, answered = [], 0
+        for message in messages:
+            if message.get("role") == "tool" and answered < len(calls):
+                call = calls[answered]
+                call_id = call.id or self.family.call_id(call.name, calls_before + answered)
+                message = {
+                    **message,
+                    "tool_call_id": message.get("tool_call_id") or call_id,
+                    "name": message.get("name") or call.name,
+                }
+                answered += 1
+            named.append(message)
+        return named[0] if isinstance(observation, dict) else named
 
     def tool_call(self, call_id: str, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
         """A structured tool call as this template takes it (OpenAI's shape): arguments as a mapping, or as
@@ -362,8 +373,7 @@ class ChatEncoder:
         messages = list(trajectory.prompt)
         for turn in trajectory.turns:
             messages.append(self.assistant_message(trajectory.generated_ids(turn).tolist()))
-            if turn.observation is not None:
-                messages.append(turn.observation)
+            messages += turn.observation_messages
         ends_with_observation = bool(trajectory.turns) and trajectory.turns[-1].observation is not None
         render = self._encode_text(
             self.render(messages, add_generation_prompt=ends_with_observation or not trajectory.turns),
@@ -408,11 +418,11 @@ class ChatEncoder:
         return await _run(call, heavy, limiter)
 
     async def aencode_observation(
-        self, message: dict[str, Any], *, limiter: anyio.CapacityLimiter | None = None
+        self, message: dict[str, Any] | list[dict[str, Any]], *, limiter: anyio.CapacityLimiter | None = None
     ) -> Encoded:
-        """`encode_observation`, in a worker thread (of `limiter`, default anyio's) when the message holds
+        """`encode_observation`, in a worker thread (of `limiter`, default anyio's) when the messages hold
         images or long text, inline otherwise."""
-        return await _run(partial(self.encode_observation, message), _is_heavy(message), limiter)
+        return await _run(partial(self.encode_observation, message), _is_heavy(*_as_messages(message)), limiter)
 
     async def adrift_check(
         self, trajectory: Trajectory, *, limiter: anyio.CapacityLimiter | None = None
@@ -522,21 +532,24 @@ class ChatEncoder:
             self._prefix[key] = text[:cut], self.tokenizer.convert_tokens_to_ids(token)
         return self._prefix[key]
 
-    def _dummy_for(self, message: dict[str, Any]) -> tuple[dict[str, Any], ...]:
-        """The dummy conversation before an observation. Before a tool message of a known family, its
-        assistant calls that tool (structured `tool_calls`, the sentinel as an argument), as templates that
-        name the call in the tool's header (harmony) or refuse a tool message without a call need; where the
-        template does not write such a call, the plain dummy."""
-        if message.get("role") != "tool" or self.family is None:
+    def _dummy_for(self, *messages: dict[str, Any]) -> tuple[dict[str, Any], ...]:
+        """The dummy conversation before an observation. Before tool messages of a known family, its
+        assistant makes the calls they answer (structured `tool_calls`, one per leading tool message, the
+        sentinel as an argument), as templates that name the call in the tool's header (harmony) or refuse a
+        tool message without a call need; where the template does not write such calls, the plain dummy."""
+        answers = list(itertools.takewhile(lambda m: m.get("role") == "tool", messages))
+        if not answers or self.family is None:
             return self._dummy
-        call = self.tool_call(
-            str(message.get("tool_call_id") or "call00000"),
-            str(message.get("name") or "tool"),
-            {"x": ASSISTANT_SENTINEL},
-        )
-        dummy = (*self._dummy[:-1], {"role": "assistant", "content": "", "tool_calls": [call]})
+        calls = [
+            self.tool_call(
+                str(m.get("tool_call_id") or f"call{i:05d}"), str(m.get("name") or "tool"), {"x": ASSISTANT_SENTINEL}
+            )
+            for i, m in enumerate(answers)
+        ]
+        dummy = (*self._dummy[:-1], {"role": "assistant", "content": "", "tool_calls": calls})
         try:
-            rendered = self.render([*dummy, {**message, "content": "x"}], add_generation_prompt=True)
+            probes = [{**m, "content": "x"} for m in answers]
+            rendered = self.render([*dummy, *probes], add_generation_prompt=True)
         except Exception:  # noqa: BLE001 -- a template without structured tool calls: the plain dummy
             return self._dummy
         return dummy if ASSISTANT_SENTINEL in rendered else self._dummy
@@ -607,6 +620,14 @@ def _is_heavy(*parts: Any) -> bool:
         if chars > INLINE_MAX_CHARS:
             return True
     return chars > INLINE_MAX_CHARS
+
+
+def _as_messages(observation: dict[str, Any] | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """An observation as a non-empty list of chat messages."""
+    messages = [observation] if isinstance(observation, dict) else list(observation)
+    if not messages:
+        raise ObservationError("an observation of no messages")
+    return messages
 
 
 def _images_of(messages: list[dict[str, Any]]) -> list[Any]:

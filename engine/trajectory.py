@@ -116,8 +116,16 @@ class Turn:
     finish_reason: str | None = None
     cut_at_cap: bool = False  # the per-turn cap stopped the model mid-turn; the trajectory went on
     weight_version: str | None = None
-    observation: dict[str, Any] | None = None  # the env's chat message after this turn (kept for re-rendering)
+    # the env's chat message after this turn, or messages (several tool results), kept for re-rendering
+    observation: dict[str, Any] | list[dict[str, Any]] | None = None
     is_reported: bool = False  # observers were told this turn ended
+
+    @property
+    def observation_messages(self) -> list[dict[str, Any]]:
+        """The observation as a list of chat messages (none when there was none)."""
+        if self.observation is None:
+            return []
+        return list(self.observation) if isinstance(self.observation, list) else [self.observation]
 
     def to_record(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.__slots__ if name not in ("observation", "is_reported")}

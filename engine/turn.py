@@ -169,18 +169,18 @@ def end_of_turn(trajectory: Trajectory, step: StepResult, limits: TurnLimits) ->
 
 
 async def observe(
-    trajectory: Trajectory, message: dict[str, Any], encoder: ChatEncoder, limits: TurnLimits
+    trajectory: Trajectory, message: dict[str, Any] | list[dict[str, Any]], encoder: ChatEncoder, limits: TurnLimits
 ) -> StopReason | None:
-    """Step 5: the env's message appended with loss mask 0 (images on the rollout and the training
-    side), after the token closing the model's turn (a tool message naming the call it answers, from the
-    model's turn where the env did not); TOKEN_BUDGET when there is no room left for it.
+    """Step 5: the env's message (or messages) appended with loss mask 0 (images on the rollout and the
+    training side), after the token closing the model's turn (a tool message naming the call it answers,
+    from the model's turn where the env did not); TOKEN_BUDGET when there is no room left for it.
     Encoded in a worker thread when the message has images or long text. A message the template or the
     processor cannot encode is a BAD_OBSERVATION."""
     turn = trajectory.turns[-1]
     generated = trajectory.generated_ids(turn).tolist()
     try:
-        answered = sum(1 for t in trajectory.turns[:-1] if t.observation and t.observation.get("role") == "tool")
-        message = encoder.naming_the_call(message, generated, answered)
+        answered = sum(m.get("role") == "tool" for t in trajectory.turns[:-1] for m in t.observation_messages)
+        message = encoder.naming_the_calls(message, generated, answered)
         encoded = await encoder.aencode_observation(message)
         closing = encoder.closing_ids(generated, message)
     except ObservationError:

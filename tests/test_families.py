@@ -137,12 +137,12 @@ def test_a_tool_message_without_the_call_it_answers_gets_the_models_call():
     call = encoder.family.parser.format_call("run_python", {"code": "print(1)"}, index=3)
     generated = tokenizer(call, add_special_tokens=False)["input_ids"]
     bare = {"role": "tool", "content": "1"}
-    assert encoder.naming_the_call(bare, generated) == bare | {
+    assert encoder.naming_the_calls(bare, generated) == bare | {
         "tool_call_id": "functions.run_python:3",
         "name": "run_python",
     }
     named = bare | {"tool_call_id": "mine", "name": "other"}
-    assert encoder.naming_the_call(named, generated) == named
+    assert encoder.naming_the_calls(named, generated) == named
     broken = tokenizer("<|tool_calls_section_begin|><|tool_call_begin|>", add_special_tokens=False)["input_ids"]
-    assert encoder.naming_the_call(bare, broken) == bare
-    assert encoder.naming_the_call({"role": "user", "content": "1"}, generated) == {"role": "user", "content": "1"}
+    assert encoder.naming_the_calls(bare, broken) == bare
+    assert encoder.naming_the_calls({"role": "user", "content": "1"}, generated) == {"role": "user", "content": "1"}

@@ -182,3 +182,59 @@ async def test_a_five_turn_tool_trajectory_is_token_exact(name):
             rewritten.add(i)
             assert turns[i]["content"] in whole[: -len(tail)][-200:], f"turn {i}: the template lost the reply"
     assert rewritten == REWRITTEN.get(name, set())
+
+
+@dataclass
+class ParallelEnv(BaseInteractionEnv):
+    """Answers a turn's calls with one tool message each (no ids, no names), then ends on the next turn."""
+
+    steps: int = 0
+
+    def reset(self):
+        return {}, {}
+
+    def step(self, response_text: str):
+        self.steps += 1
+        if self.steps > 1:
+            return {}, True, {"reward": 1.0}
+        calls = parse_tool_calls(response_text, [CALC], max_calls=None)
+        return {"answers": [c.arguments["answer"] for c in calls]}, False, {}
+
+    def format_observation(self, observation):
+        return [{"role": "tool", "content": f"{answer} is wrong."} for answer in observation["answers"]]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("name", [t for t in TEMPLATES if t != "openai-gpt-oss-120b"])  # harmony: a call ends a turn
+async def test_parallel_calls_answered_by_several_tool_messages_are_what_the_template_appends(name):
+    encoder = ChatEncoder(family_tokenizer(name)).for_tools([CALC.schema()])
+    prompt = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]
+    ids = [encoder.family.call_id("calc_score", i) for i in range(2)]
+    turn = {
+        "role": "assistant", "content": "", "reasoning_content": "Two guesses.", "thinking": "Two guesses.",
+        "tool_calls": [encoder.tool_call(ids[i], "calc_score", {"answer": str(40 + i)}) for i in range(2)],
+    }  # fmt: skip
+    answers = [{"role": "tool", "tool_call_id": ids[i], "name": "calc_score", "content": f"{40 + i} is wrong."}
+               for i in range(2)]  # fmt: skip
+    first = sampled_reply(encoder, prompt, turn, answers[0])
+    for answer, call in zip(answers, encoder.parse_turn(first).tool_calls, strict=True):
+        answer["tool_call_id"] = call.id or answer["tool_call_id"]
+    final = {"role": "assistant", "content": "The answer is 42."}
+    last = sampled_reply(encoder, [*prompt, turn, *answers], final, {"role": "user", "content": "Done."})
+    skip = not encoder.family.parser.delimiters or all(
+        d not in encoder.tokenizer.all_special_tokens for d in encoder.family.parser.delimiters
+    )
+    trajectory = Trajectory(prompt=list(prompt))
+    sampling = SamplingParams(max_new_tokens=512, stop_token_ids=encoder.stop_token_ids, skip_special_tokens=skip)
+    await run_trajectory(
+        trajectory, backend=ScriptedBackend([first, last]), env=EnvRunner(ParallelEnv()), encoder=encoder,
+        sampling=sampling, limits=TurnLimits(max_turns=4),
+    )  # fmt: skip
+    assert trajectory.status == Status.COMPLETED and len(trajectory.turns) == 2
+    assert trajectory.turns[0].observation == answers  # each tool message named after its call, in order
+    response = list(trajectory.response_ids)
+    start = trajectory.turns[0].num_generated
+    appended = response[start : start + trajectory.turns[0].num_observation]
+    whole = encoder.render([*prompt, turn, *answers], add_generation_prompt=True)
+    decode = encoder.tokenizer.decode
+    assert whole.endswith(decode(first, skip_special_tokens=False) + decode(appended, skip_special_tokens=False))

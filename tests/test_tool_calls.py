@@ -161,7 +161,9 @@ def test_the_docs_table_lists_every_malformed_call_and_its_observation():
     for case_id, _, kind, detail in MALFORMED:
         assert f"`{kind}`" in documented[case_id] and detail.replace("|", "\\|") in documented[case_id], case_id
     # every kind is tested: here those of Qwen2.5's form and the tools', in tests/test_parsers.py the others
-    other_forms = {Malformed.NO_SEPARATOR, Malformed.UNEXPECTED_TEXT, Malformed.INVALID_VALUE, Malformed.UNKNOWN_CHANNEL}
+    other_forms = {
+        Malformed.NO_SEPARATOR, Malformed.UNEXPECTED_TEXT, Malformed.INVALID_VALUE, Malformed.UNKNOWN_CHANNEL,
+    }  # fmt: skip
     assert {str(kind) for kind in set(Malformed) - other_forms} == {str(case[2]) for case in MALFORMED}
 
 

@@ -144,16 +144,19 @@ class EnvRunner:
         observation, done, info = result
         return StepResult(observation or {}, bool(done), info if isinstance(info, dict) else {})
 
-    def message(self, observation: dict[str, Any]) -> dict[str, Any]:
-        """The chat message for an observation, by the env's (or its module's) format_observation."""
+    def message(self, observation: dict[str, Any]) -> dict[str, Any] | list[dict[str, Any]]:
+        """The chat message for an observation, by the env's (or its module's) format_observation: one
+        message, or a non-empty list of them (the results of several tool calls)."""
         try:
             message = self._format(observation)
         except Exception as exc:
             raise EnvError(ErrorClass.ENV_EXCEPTION, f"env {self.name}.format_observation raised {exc!r}") from exc
-        if not (isinstance(message, dict) and "role" in message and "content" in message):
+        messages = message if isinstance(message, list) and message else [message]
+        if not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
             raise EnvError(
                 ErrorClass.ENV_EXCEPTION,
-                f"env {self.name}.format_observation returned {_short(message)}, expected a chat message dict",
+                f"env {self.name}.format_observation returned {_short(message)}, expected a chat message dict "
+                "or a non-empty list of them",
             )
         return message
 

@@ -73,8 +73,7 @@ def conversation_of_trajectory(trajectory: Trajectory, encoder: ChatEncoder) -> 
     for turn in trajectory.turns:
         text = encoder.response_text(trajectory.generated_ids(turn).tolist())
         conversation.append({"role": "assistant", "content": text})
-        if turn.observation is not None:
-            conversation.append(turn.observation)
+        conversation += turn.observation_messages
     return conversation
 
 
