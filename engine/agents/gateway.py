@@ -1,0 +1,233 @@
+"""The session gateway: agent programs call a model API at their session's base URL, and each request is a
+turn of the engine (engine/agents/session.py).
+
+    gateway = Gateway(scheduler)
+    async with gateway.serving("0.0.0.0", 8100, public_url="http://10.0.0.5:8100"):
+        session = gateway.open_session()
+        base_url = gateway.base_url(session)         # .../sessions/<id>/v1: give it to the agent
+        ...                                          # the agent runs, calling POST {base_url}/chat/completions
+        chains = await gateway.finish(session.id)    # its trajectories, ended: one sample each
+
+Served: OpenAI Chat Completions (`/sessions/<id>/v1/chat/completions`, streaming and not). Starlette under
+uvicorn, in the caller's event loop; the host process keeps its signal handlers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from typing import Any, Literal
+
+import anyio
+import uvicorn
+from openai.types.completion_usage import CompletionUsage
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from engine.agents import openai_chat
+from engine.agents.openai_chat import RequestError
+from engine.agents.session import Chain, Session, SessionEnv
+from engine.envs.base import EnvRunner
+from engine.parsers import MalformedCall, ParsedTurn
+from engine.scheduler.scheduler import Scheduler
+from engine.trajectory import Status, StopReason, Trajectory
+
+log = logging.getLogger(__name__)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn inside a process that owns its signals (the rollout service, a test): none captured here."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class Gateway:
+    """Sessions over one scheduler. `client_sampling`: what a client's temperature, top_p, seed and the like
+    get, "ignore" (counted in `counts["sampling_ignored:<field>"]`) or "refuse" (a 400 naming the field)."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        *,
+        model_name: str = "turnstile",
+        client_sampling: Literal["ignore", "refuse"] = "ignore",
+    ):
+        self.scheduler, self.model_name, self.client_sampling = scheduler, model_name, client_sampling
+        self.sessions: dict[str, Session] = {}
+        self.counts: Counter[str] = Counter()
+        self.url: str | None = None
+        self._public_url: str | None = None
+        self._tasks: anyio.abc.TaskGroup | None = None
+        self._drives: dict[int, anyio.Event] = {}  # trajectory id -> set when its drive ended
+        self.app = Starlette(
+            routes=[Route("/sessions/{session_id}/v1/chat/completions", self._chat_completions, methods=["POST"])]
+        )
+
+    # -- sessions ----------------------------------------------------------------------------------------
+    def open_session(self, session_id: str | None = None, metadata: dict[str, Any] | None = None) -> Session:
+        """A new session (its id a fresh one unless given); requests to an id never opened are refused."""
+        session_id = session_id or uuid.uuid4().hex
+        if session_id in self.sessions:
+            raise ValueError(f"session {session_id} is open already")
+        session = self.sessions[session_id] = Session(session_id, dict(metadata or {}))
+        return session
+
+    def base_url(self, session: Session) -> str:
+        """The OpenAI base URL an agent of this session is given."""
+        if self._public_url is None:
+            raise RuntimeError("the gateway is not serving: use `async with gateway.serving(...)`")
+        return f"{self._public_url}/sessions/{session.id}/v1"
+
+    async def finish(self, session_id: str) -> list[Trajectory]:
+        """End the session: each chain's pending env step ends it (env done); its trajectories, once ended."""
+        session = self.sessions.pop(session_id)
+        session.closed = True
+        for chain in session.chains:
+            await chain.end()
+        for chain in session.chains:
+            await self._drives[chain.trajectory.id].wait()
+            del self._drives[chain.trajectory.id]
+        return [chain.trajectory for chain in session.chains]
+
+    # -- serving -----------------------------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def serving(
+        self, host: str = "127.0.0.1", port: int = 0, *, public_url: str | None = None
+    ) -> AsyncIterator[Gateway]:
+        """Serve on host:port (0: a free port) until the block ends; `public_url` is how agents reach it
+        (default http://host:port). Sessions still open at the end are finished."""
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(4096)  # connections wait in the backlog until uvicorn accepts them: no start-up race
+        bound = sock.getsockname()[1]
+        self.url = f"http://{host}:{bound}"
+        self._public_url = (public_url or self.url).rstrip("/")
+        server = _Server(uvicorn.Config(self.app, log_level="warning", lifespan="off", access_log=False))
+        try:
+            async with anyio.create_task_group() as tasks:
+                self._tasks = tasks
+                tasks.start_soon(server.serve, [sock])
+                try:
+                    yield self
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        for session_id in list(self.sessions):
+                            await self.finish(session_id)
+                        server.should_exit = True
+        finally:
+            self._tasks = None
+            sock.close()
+
+    async def _drive(self, chain: Chain) -> None:
+        done = self._drives[chain.trajectory.id] = anyio.Event()
+        try:
+            await self.scheduler.drive(chain.trajectory, lambda: EnvRunner(SessionEnv(chain)))
+        finally:
+            done.set()
+            chain.turn_ended()  # a request still waiting learns that the chain ended
+
+    # -- OpenAI Chat Completions ---------------------------------------------------------------------------
+    async def _chat_completions(self, request: Request) -> Response:
+        self.counts["requests"] += 1
+        try:
+            session = self.sessions.get(request.path_params["session_id"])
+            if session is None:
+                raise RequestError(
+                    f"no open session {request.path_params['session_id']!r}", status=404, kind="not_found_error"
+                )
+            chat = openai_chat.read_request(await request.body(), client_sampling=self.client_sampling)
+            for name in chat.sampling_asked():
+                self.counts[f"sampling_ignored:{name}"] += 1
+            chain, message, turn_info = await self._turn(session, chat)
+        except RequestError as error:
+            self.counts[f"bad_requests:{error.status}"] += 1
+            return JSONResponse(error.body(), status_code=error.status)
+        completion_id = f"chatcmpl-{uuid.uuid4().hex}"
+        reason = openai_chat.finish_reason(message, turn_info["length"])
+        usage = CompletionUsage(
+            prompt_tokens=turn_info["prompt_tokens"],
+            completion_tokens=turn_info["completion_tokens"],
+            total_tokens=turn_info["prompt_tokens"] + turn_info["completion_tokens"],
+        )
+        model = chat.model or self.model_name
+        if not chat.stream:
+            reply = openai_chat.completion(completion_id, model, message, reason, usage)
+            return JSONResponse(reply.model_dump(mode="json", exclude_unset=True))
+        include_usage = bool((chat.stream_options or {}).get("include_usage"))
+        events = openai_chat.chunks(completion_id, model, message, reason, usage if include_usage else None)
+
+        async def stream() -> AsyncIterator[str]:
+            for event in events:
+                yield f"data: {event.model_dump_json(exclude_unset=True)}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    async def _turn(
+        self, session: Session, chat: openai_chat.ChatRequest
+    ) -> tuple[Chain, dict[str, Any], dict[str, Any]]:
+        """Route the request to its chain (or fork a new one), wait for the model's turn, and make the reply."""
+        if session.closed:
+            raise RequestError(f"session {session.id} is finished", status=409)
+        chain, fit = session.route(chat.messages, chat.tools)
+        if chain is None:
+            if self._tasks is None:
+                raise RequestError("the gateway is shutting down", status=503, kind="server_error")
+            cause = fit.cause if session.chains else None
+            if cause is not None:
+                self.counts[f"forks:{cause}"] += 1
+            chain = session.start(chat.messages, chat.tools, cause)
+            async with chain.lock:
+                self._tasks.start_soon(self._drive, chain)
+                turn = await chain.next_turn()
+        else:
+            async with chain.lock:
+                await chain.send(fit.new or [])
+                turn = await chain.next_turn()
+        trajectory = chain.trajectory
+        if turn is None:
+            raise self._no_turn(trajectory)
+        encoder = self.scheduler.encoder.for_tools(chat.tools)
+        generated = trajectory.generated_ids(turn).tolist()
+        try:
+            parsed = encoder.parse_turn(generated, tools=chat.tools)
+        except MalformedCall:
+            self.counts["parse_failures"] += 1
+            parsed = ParsedTurn(encoder.response_text(generated))
+        ids = []
+        for call in parsed.tool_calls:
+            family = encoder.family
+            ids.append(call.id or (family.call_id(call.name, session.calls) if family else f"call{session.calls:05d}"))
+            session.calls += 1
+        message = openai_chat.message_of(parsed, ids)
+        chain.replied(message)
+        length = turn.finish_reason == "length" or trajectory.stop_reason in (
+            StopReason.LENGTH,
+            StopReason.TOKEN_BUDGET,
+        )
+        info = {"length": length, "prompt_tokens": turn.prompt_tokens, "completion_tokens": turn.num_generated}
+        return chain, message, info
+
+    @staticmethod
+    def _no_turn(trajectory: Trajectory) -> RequestError:
+        """The chain ended without a turn for this request: why, as the API's error."""
+        if trajectory.stop_reason in (StopReason.TOKEN_BUDGET, StopReason.LENGTH):
+            return RequestError(
+                "the conversation does not fit the session's token budget or context window",
+                param="messages",
+                kind="invalid_request_error",
+            )
+        last = trajectory.errors[-1].message if trajectory.errors else str(trajectory.stop_reason)
+        status = 502 if trajectory.status == Status.FAILED else 409
+        return RequestError(
+            f"the session's trajectory ended ({trajectory.stop_reason}): {last}", status=status, kind="server_error"
+        )

@@ -1,0 +1,88 @@
+"""Does an agent's request continue a session's conversation? Its messages are compared with the session's
+messages so far, one by one, as chat messages (never as re-tokenized text): the same role, the same content
+(text, or the same parts), the same tool calls (id, name, arguments as JSON values) and the same answered call.
+What clients add or drop on their way back (`refusal: null`, `annotations: []`, the reasoning they were given,
+content `null` against `""`) does not count.
+
+    fit = continues(history, request_messages)
+    fit.new        # the messages past the history (the observation), when they extend it with no assistant message
+    fit.cause      # else why not: a fork cause (ForkCause)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+
+class ForkCause(StrEnum):
+    """Why a request starts a new chain of its session instead of continuing one."""
+
+    EDITED = "edited"  # a message the session had is not the same (compaction, a rewritten system prompt)
+    SHORTER = "shorter"  # the request ends before the session's last reply (dropped history, a sub-agent)
+    WRITTEN_REPLY = "written_reply"  # its new messages hold an assistant message the model did not sample
+    TOOLS_CHANGED = "tools_changed"  # the tools offered differ from the chain's
+    ENDED = "ended"  # the chain it continues has ended (length, budget, failure)
+    CONCURRENT = "concurrent"  # the chain it continues is busy with another request (a sub-agent's)
+
+
+@dataclass(frozen=True, slots=True)
+class Fit:
+    """How a request's messages relate to a chain's: `new` (non-empty) when they continue it, else `cause`."""
+
+    new: list[dict[str, Any]] | None = None
+    cause: ForkCause | None = None
+    shared: int = 0  # how many of the chain's messages the request repeats unchanged
+
+
+def continues(history: list[dict[str, Any]], messages: list[dict[str, Any]]) -> Fit:
+    """Whether `messages` are `history` followed by new messages that are no assistant's (the observation)."""
+    shared = 0
+    for had, sent in zip(history, messages, strict=False):
+        if key(had) != key(sent):
+            return Fit(cause=ForkCause.EDITED, shared=shared)
+        shared += 1
+    if len(messages) <= len(history):
+        return Fit(cause=ForkCause.SHORTER, shared=shared)
+    new = messages[len(history) :]
+    if any(message.get("role") == "assistant" for message in new):
+        return Fit(cause=ForkCause.WRITTEN_REPLY, shared=shared)
+    return Fit(new=list(new), shared=shared)
+
+
+def key(message: dict[str, Any]) -> tuple[Any, ...]:
+    """What makes two chat messages the same message for a session."""
+    role = "system" if message.get("role") == "developer" else message.get("role")
+    calls = tuple(_call_key(call) for call in message.get("tool_calls") or ())
+    answered = message.get("tool_call_id") if role == "tool" else None
+    return role, _content_key(message.get("content")), calls, answered
+
+
+def _content_key(content: Any) -> Any:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for part in content if isinstance(content, list) else [content]:
+        if isinstance(part, dict) and part.get("type") == "text":
+            parts.append(("text", part.get("text", "")))
+        elif isinstance(part, dict):
+            parts.append((part.get("type"), json.dumps(part, sort_keys=True, default=str)))
+        else:
+            parts.append(("?", repr(part)))
+    if all(kind == "text" for kind, _ in parts):  # text parts are their text: "a" == [{"type": "text", ...}]
+        return "".join(text for _, text in parts)
+    return tuple(parts)
+
+
+def _call_key(call: Any) -> tuple[Any, ...]:
+    function = call.get("function") or {} if isinstance(call, dict) else {}
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        with contextlib.suppress(ValueError):  # not JSON: compared as the text it is
+            arguments = json.loads(arguments)
+    return call.get("id"), function.get("name"), json.dumps(arguments, sort_keys=True, ensure_ascii=False)

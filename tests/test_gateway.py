@@ -1,0 +1,219 @@
+"""The session gateway with the official `openai` SDK, unmodified, over a policy that answers with real tool
+calls through the real Qwen tokenizer and template (a scripted backend: the sampled tokens are known): the
+replies the client parses, the trajectories the sessions leave (the sampled tokens, mask 1 exactly on them),
+forks, and bad requests as the API's own errors."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from engine.agents.gateway import Gateway
+from engine.backends.base import SamplingParams
+from engine.encoding import ChatEncoder
+from engine.errors import BackendError, ErrorClass
+from engine.scheduler.retry import CircuitBreaker, RetryPolicy
+from engine.scheduler.scheduler import Scheduler
+from engine.trajectory import Status
+from engine.turn import TurnLimits
+from tests.fakes import ScriptedBackend
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
+PROMPT = [
+    {"role": "system", "content": "You answer questions about the weather."},
+    {"role": "user", "content": "How is the weather in Paris?"},
+]
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def encoder(tokenizer):
+    return ChatEncoder(tokenizer)
+
+
+def sampled(encoder: ChatEncoder, text: str) -> list[int]:
+    return [*encoder.tokenizer(text, add_special_tokens=False)["input_ids"], encoder.end_of_turn_id]
+
+
+def gateway_over(
+    encoder: ChatEncoder, replies: list, retry: RetryPolicy | None = None, **options
+) -> tuple[Gateway, ScriptedBackend]:
+    backend = ScriptedBackend(replies)
+    scheduler = Scheduler(
+        backend=backend, encoder=encoder,
+        sampling=SamplingParams(max_new_tokens=256, stop_token_ids=encoder.stop_token_ids),
+        limits=TurnLimits(max_turns=16), retry=retry or RetryPolicy(env_step_timeout_s=60), breaker=CircuitBreaker(),
+        max_generating=4, max_env_steps=64,
+    )  # fmt: skip
+    return Gateway(scheduler, **options), backend
+
+
+OPEN_CLIENTS: list[openai.AsyncOpenAI] = []
+
+
+def client(gateway: Gateway, session) -> openai.AsyncOpenAI:
+    """The agent's client for its session (closed by the `closes_clients` fixture, in the test's loop)."""
+    agent = openai.AsyncOpenAI(base_url=gateway.base_url(session), api_key="unused", max_retries=0)
+    OPEN_CLIENTS.append(agent)
+    return agent
+
+
+@pytest.fixture(autouse=True)
+async def closes_clients():
+    yield
+    while OPEN_CLIENTS:
+        await OPEN_CLIENTS.pop().close()
+
+
+def assert_sampled_exactly(trajectory, turns: list[list[int]]) -> None:
+    """The response holds each sampled turn as sampled, mask 1 and its log-probs exactly there."""
+    trajectory.check_invariant()
+    response, mask = list(trajectory.response_ids), list(trajectory.loss_mask)
+    assert [response[t.start : t.start + t.num_generated] for t in trajectory.turns] == turns
+    model = {i for t in trajectory.turns for i in range(t.start, t.start + t.num_generated)}
+    assert [i for i, m in enumerate(mask) if m == 1] == sorted(model)
+    assert all((trajectory.logprobs[i] == -0.5) == (i in model) for i in range(len(mask)))
+
+
+@pytest.mark.anyio
+async def test_a_tool_calling_session_through_the_openai_sdk(encoder):
+    turns = [sampled(encoder, CALL), sampled(encoder, "It is sunny in Paris.")]
+    gateway, backend = gateway_over(encoder, list(turns))
+    async with gateway.serving():
+        session = gateway.open_session()
+        agent = client(gateway, session)
+        first = await agent.chat.completions.create(model="policy", messages=PROMPT, tools=TOOLS, temperature=0.2)
+        choice = first.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        (call,) = choice.message.tool_calls
+        assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
+        # the agent runs its tool and sends the conversation back, its reply as the SDK parsed it
+        messages = [
+            *PROMPT,
+            choice.message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 24 C."},
+        ]
+        second = await agent.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
+        assert second.choices[0].message.content == "It is sunny in Paris."
+        assert second.choices[0].finish_reason == "stop"
+        assert second.usage.completion_tokens == len(turns[1])
+        (trajectory,) = await gateway.finish(session.id)
+    assert gateway.counts["sampling_ignored:temperature"] == 1  # the rollout's temperature ruled
+    assert backend.requests[0].sampling_params.temperature == 1.0
+    assert trajectory.status == Status.COMPLETED and len(trajectory.turns) == 2
+    assert_sampled_exactly(trajectory, turns)
+    # what stands between the turns is what the template appends for the tool message
+    conversation = [*PROMPT, encoder.assistant_message(turns[0]), messages[-1]]
+    whole = encoder.for_tools(TOOLS).render(conversation, add_generation_prompt=True)
+    assert (
+        encoder.tokenizer.decode(list(trajectory.tokens)[: trajectory.prompt_length + trajectory.turns[1].start])
+        == whole
+    )
+    assert (
+        backend.requests[1].input_ids == list(trajectory.tokens)[: trajectory.prompt_length + trajectory.turns[1].start]
+    )
+
+
+@pytest.mark.anyio
+async def test_streaming_replies_carry_the_calls_and_the_usage(encoder):
+    turns = [sampled(encoder, "<think>\nI should look it up.\n</think>\n\n" + CALL)]
+    gateway, _ = gateway_over(encoder, list(turns))
+    async with gateway.serving():
+        session = gateway.open_session()
+        stream = await client(gateway, session).chat.completions.create(
+            model="policy", messages=PROMPT, tools=TOOLS, stream=True, stream_options={"include_usage": True}
+        )
+        events = [event async for event in stream]
+        await gateway.finish(session.id)
+    deltas = [e.choices[0].delta for e in events if e.choices]
+    calls = [call for delta in deltas for call in delta.tool_calls or ()]
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
+    assert [getattr(d, "reasoning_content", None) for d in deltas if getattr(d, "reasoning_content", None)] == [
+        "I should look it up."
+    ]
+    assert [e.choices[0].finish_reason for e in events if e.choices and e.choices[0].finish_reason] == ["tool_calls"]
+    assert events[-1].usage.completion_tokens == len(turns[0])
+
+
+@pytest.mark.anyio
+async def test_a_request_that_edits_the_history_forks_a_new_chain(encoder):
+    turns = [sampled(encoder, CALL), sampled(encoder, "Paris is sunny."), sampled(encoder, CALL)]
+    gateway, _ = gateway_over(encoder, list(turns))
+    async with gateway.serving():
+        session = gateway.open_session()
+        agent = client(gateway, session)
+        first = await agent.chat.completions.create(model="policy", messages=PROMPT, tools=TOOLS)
+        reply = first.choices[0].message.model_dump(exclude_none=True)
+        tool = {"role": "tool", "tool_call_id": reply["tool_calls"][0]["id"], "content": "Sunny."}
+        await agent.chat.completions.create(model="policy", messages=[*PROMPT, reply, tool], tools=TOOLS)
+        compacted = [{"role": "system", "content": "Summary: the user asked about Paris."}, PROMPT[1]]
+        await agent.chat.completions.create(model="policy", messages=compacted, tools=TOOLS)
+        chains = await gateway.finish(session.id)
+    assert [len(c.turns) for c in chains] == [2, 1]
+    assert chains[1].prompt == compacted and chains[1].metadata["fork_cause"] == "edited"
+    assert gateway.counts["forks:edited"] == 1 and session.forks == {"edited": 1}
+    assert_sampled_exactly(chains[0], turns[:2])
+    assert_sampled_exactly(chains[1], turns[2:])
+
+
+@pytest.mark.anyio
+async def test_bad_requests_are_the_apis_own_errors_and_end_nothing_else(encoder):
+    gateway, _ = gateway_over(encoder, [sampled(encoder, "Sunny.")], client_sampling="refuse")
+    async with gateway.serving():
+        session = gateway.open_session()
+        agent = client(gateway, session)
+        stranger = openai.AsyncOpenAI(base_url=f"{gateway.url}/sessions/nobody/v1", api_key="x", max_retries=0)
+        OPEN_CLIENTS.append(stranger)
+        with pytest.raises(openai.NotFoundError, match="no open session 'nobody'"):
+            await stranger.chat.completions.create(model="policy", messages=PROMPT)
+        with pytest.raises(openai.BadRequestError, match="n=2: a session samples one reply per request"):
+            await agent.chat.completions.create(model="policy", messages=PROMPT, n=2)
+        with pytest.raises(openai.BadRequestError, match="temperature: the rollout's sampling settings rule"):
+            await agent.chat.completions.create(model="policy", messages=PROMPT, temperature=0.7)
+        with pytest.raises(openai.BadRequestError, match=r"messages\[0\].role is 'robot'; one of system"):
+            await agent.chat.completions.create(model="policy", messages=[{"role": "robot", "content": "x"}])
+        reply = await agent.chat.completions.create(model="policy", messages=PROMPT)  # the session still serves
+        assert reply.choices[0].message.content == "Sunny."
+        await gateway.finish(session.id)
+    assert gateway.counts["bad_requests:400"] == 3 and gateway.counts["bad_requests:404"] == 1
+
+
+@pytest.mark.anyio
+async def test_a_server_error_is_retried_inside_the_request_unseen_by_the_agent(encoder):
+    gateway, backend = gateway_over(
+        encoder, [BackendError(ErrorClass.SERVER, "503 from the server"), sampled(encoder, "Sunny.")]
+    )
+    async with gateway.serving():
+        session = gateway.open_session()
+        reply = await client(gateway, session).chat.completions.create(model="policy", messages=PROMPT)
+        assert reply.choices[0].message.content == "Sunny."
+        (trajectory,) = await gateway.finish(session.id)
+    assert len(backend.requests) == 2 and trajectory.turns[0].retries == 1 and trajectory.status == Status.COMPLETED
+
+
+@pytest.mark.anyio
+async def test_a_backend_failure_ends_its_session_alone(encoder):
+    fatal = BackendError(ErrorClass.MALFORMED, "the server sent garbage")
+    no_retries = RetryPolicy(per_turn={}, env_step_timeout_s=60)
+    gateway, _ = gateway_over(encoder, [fatal, sampled(encoder, "Sunny.")], retry=no_retries)
+    async with gateway.serving():
+        broken, healthy = gateway.open_session(), gateway.open_session()
+        with pytest.raises(openai.APIStatusError, match="the server sent garbage") as raised:
+            await client(gateway, broken).chat.completions.create(model="policy", messages=PROMPT)
+        assert raised.value.status_code == 502
+        reply = await client(gateway, healthy).chat.completions.create(model="policy", messages=PROMPT)
+        assert reply.choices[0].message.content == "Sunny."
+        (failed,) = await gateway.finish(broken.id)
+        (served,) = await gateway.finish(healthy.id)
+    assert failed.status == Status.FAILED and served.status == Status.COMPLETED
