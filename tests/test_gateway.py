@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import anyio
 import openai
 import pytest
 
@@ -47,14 +48,14 @@ def sampled(encoder: ChatEncoder, text: str) -> list[int]:
 
 
 def gateway_over(
-    encoder: ChatEncoder, replies: list, retry: RetryPolicy | None = None, **options
+    encoder: ChatEncoder, replies: list, retry: RetryPolicy | None = None, max_env_steps: int = 64, **options
 ) -> tuple[Gateway, ScriptedBackend]:
     backend = ScriptedBackend(replies)
     scheduler = Scheduler(
         backend=backend, encoder=encoder,
         sampling=SamplingParams(max_new_tokens=256, stop_token_ids=encoder.stop_token_ids),
         limits=TurnLimits(max_turns=16), retry=retry or RetryPolicy(env_step_timeout_s=60), breaker=CircuitBreaker(),
-        max_generating=4, max_env_steps=64,
+        max_generating=4, max_env_steps=max_env_steps,
     )  # fmt: skip
     return Gateway(scheduler, **options), backend
 
@@ -217,3 +218,79 @@ async def test_a_backend_failure_ends_its_session_alone(encoder):
         (failed,) = await gateway.finish(broken.id)
         (served,) = await gateway.finish(healthy.id)
     assert failed.status == Status.FAILED and served.status == Status.COMPLETED
+
+
+@pytest.mark.anyio
+async def test_sessions_waiting_for_their_agents_hold_no_env_slot(encoder):
+    """One env slot, three sessions whose agents have not come back: each still gets its turn."""
+    gateway, _ = gateway_over(encoder, [sampled(encoder, "Sunny.")] * 3, max_env_steps=1)
+    async with gateway.serving():
+        sessions = [gateway.open_session() for _ in range(3)]
+        with anyio.fail_after(30):  # a slot held by a waiting session would stall the second request here
+            for session in sessions:
+                reply = await client(gateway, session).chat.completions.create(model="policy", messages=PROMPT)
+                assert reply.choices[0].message.content == "Sunny."
+        assert gateway.scheduler.env_slots.borrowed == 0
+        for session in sessions:
+            await gateway.finish(session.id)
+
+
+@pytest.mark.anyio
+async def test_a_request_during_a_weight_update_is_held_and_answered_on_the_new_weights(encoder):
+    turns = [sampled(encoder, CALL), sampled(encoder, "It is sunny in Paris.")]
+    gateway, backend = gateway_over(encoder, list(turns))
+    scheduler = gateway.scheduler
+    async with gateway.serving():
+        session = gateway.open_session()
+        agent = client(gateway, session)
+        first = (await agent.chat.completions.create(model="policy", messages=PROMPT, tools=TOOLS)).choices[0]
+        call = first.message.tool_calls[0]
+        messages = [
+            *PROMPT,
+            first.message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 24 C."},
+        ]
+        await scheduler.pause_generation()  # the trainer updates the weights
+        backend.weight_version_ = "v1"
+        replies = []
+
+        async def ask() -> None:
+            replies.append(await agent.chat.completions.create(model="policy", messages=messages, tools=TOOLS))
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(ask)
+            while scheduler.num_parked == 0:  # the request reached the scheduler and waits there, PAUSED
+                await scheduler.parked_or_ended()
+            assert replies == []
+            scheduler.resume_generation("v1")
+        (trajectory,) = await gateway.finish(session.id)
+    assert replies[0].choices[0].message.content == "It is sunny in Paris."
+    assert [turn.weight_version for turn in trajectory.turns] == ["v0", "v1"]
+    assert trajectory.status == Status.COMPLETED
+    assert_sampled_exactly(trajectory, turns)
+
+
+@pytest.mark.anyio
+async def test_an_openai_agents_sdk_agent_with_a_function_tool_runs_as_one_session(encoder):
+    agents = pytest.importorskip("agents", reason="the OpenAI Agents SDK (openai-agents) is a dev dependency")
+    agents.set_tracing_disabled(True)  # nothing leaves the machine
+    seen = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        seen.append(city)
+        return "Sunny, 24 C."
+
+    turns = [sampled(encoder, CALL), sampled(encoder, "It is sunny in Paris.")]
+    gateway, backend = gateway_over(encoder, list(turns))
+    async with gateway.serving():
+        session = gateway.open_session()
+        model = agents.OpenAIChatCompletionsModel(model="policy", openai_client=client(gateway, session))
+        agent = agents.Agent(name="weather", instructions=PROMPT[0]["content"], tools=[get_weather], model=model)
+        result = await agents.Runner.run(agent, PROMPT[1]["content"])
+        chains = await gateway.finish(session.id)
+    assert seen == ["Paris"] and result.final_output == "It is sunny in Paris."
+    assert len(chains) == 1 and len(chains[0].turns) == 2  # the SDK sent its history back unchanged: no fork
+    assert chains[0].status == Status.COMPLETED
+    assert_sampled_exactly(chains[0], turns)

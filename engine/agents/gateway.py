@@ -51,7 +51,9 @@ class _Server(uvicorn.Server):
 
 class Gateway:
     """Sessions over one scheduler. `client_sampling`: what a client's temperature, top_p, seed and the like
-    get, "ignore" (counted in `counts["sampling_ignored:<field>"]`) or "refuse" (a 400 naming the field)."""
+    get, "ignore" (counted in `counts["sampling_ignored:<field>"]`) or "refuse" (a 400 naming the field).
+    `idle_timeout_s`: an agent silent that long after a reply ends its chain (env_timeout, FAILED). A chain
+    waiting for its agent holds no slot of the scheduler."""
 
     def __init__(
         self,
@@ -59,8 +61,10 @@ class Gateway:
         *,
         model_name: str = "turnstile",
         client_sampling: Literal["ignore", "refuse"] = "ignore",
+        idle_timeout_s: float = 1800.0,
     ):
         self.scheduler, self.model_name, self.client_sampling = scheduler, model_name, client_sampling
+        self.idle_timeout_s = idle_timeout_s  # longest an agent may take between a reply and its next request
         self.sessions: dict[str, Session] = {}
         self.counts: Counter[str] = Counter()
         self.url: str | None = None
@@ -130,7 +134,8 @@ class Gateway:
     async def _drive(self, chain: Chain) -> None:
         done = self._drives[chain.trajectory.id] = anyio.Event()
         try:
-            await self.scheduler.drive(chain.trajectory, lambda: EnvRunner(SessionEnv(chain)))
+            env = EnvRunner(SessionEnv(chain), step_timeout=self.idle_timeout_s, name="agent_session")
+            await self.scheduler.drive(chain.trajectory, lambda: env)
         finally:
             done.set()
             chain.turn_ended()  # a request still waiting learns that the chain ended

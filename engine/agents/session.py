@@ -99,7 +99,11 @@ class Chain:
 
 
 class SessionEnv(AsyncInteractionEnv):
-    """The env of a chain: a step hands the model's turn over and returns the agent's next messages."""
+    """The env of a chain: a step hands the model's turn over and returns the agent's next messages. It only
+    waits (the agent works elsewhere), so it holds no env slot; its step timeout is the agent's time between
+    requests."""
+
+    needs_env_slot = False
 
     def __init__(self, chain: Chain):
         self.chain = chain

@@ -40,6 +40,9 @@ class BaseInteractionEnv:
     # Set True when `reset()` followed by replaying the earlier responses rebuilds the same state,
     # so a failed step may be retried on a fresh env.
     replay_safe: bool = False
+    # Set False when a step only waits for work done elsewhere (an agent program's next request): it then
+    # holds no env slot, so such waits do not bound how many other envs step at once.
+    needs_env_slot: bool = True
 
     def reset(self) -> tuple[dict[str, Any], dict[str, Any]]:
         raise NotImplementedError
@@ -121,6 +124,10 @@ class EnvRunner:
     @property
     def replay_safe(self) -> bool:
         return bool(getattr(self.env, "replay_safe", False))
+
+    @property
+    def needs_env_slot(self) -> bool:
+        return bool(getattr(self.env, "needs_env_slot", True))
 
     @property
     def is_busy(self) -> bool:

@@ -301,6 +301,8 @@ class RemoteEnvRunner:
     def replay_safe(self) -> bool:
         return self._replay_safe
 
+    needs_env_slot = True  # a step works in a worker process
+
     @property
     def is_busy(self) -> bool:
         """The env cannot be called again: its worker is lost, or a call of it that timed out still runs."""

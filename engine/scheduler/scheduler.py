@@ -328,7 +328,8 @@ class Scheduler:
         encoder: ChatEncoder,
         skip_special: bool,
     ) -> Any:
-        """`fn(runner)`, an env operation, under an env slot; the env is built first if it is not yet.
+        """`fn(runner)`, an env operation, under an env slot (unless the env `needs_env_slot` not: it only
+        waits on work done elsewhere); the env is built first if it is not yet.
 
         A failure is retried, within the budget, only where that cannot repeat an action or race one
         still running: an env that raised `EnvRetryableError` is called again as it is; a `replay_safe`
@@ -338,7 +339,9 @@ class Scheduler:
         while True:
             self._set_phase(trajectory, Phase.WAITING_FOR_ENV)
             started = time.monotonic()
-            await self.env_slots.acquire(self._key, trajectory)
+            slotted = env.runner is None or env.runner.needs_env_slot  # an env that only waits holds none
+            if slotted:
+                await self.env_slots.acquire(self._key, trajectory)
             waited = time.monotonic() - started
             self._set_phase(trajectory, Phase.IN_ENV)
             try:
@@ -360,7 +363,8 @@ class Scheduler:
                     trajectory.turns[-1].env_queue_seconds += waited
                 return result
             finally:
-                self.env_slots.release()
+                if slotted:
+                    self.env_slots.release()
             await anyio.sleep(self.retry.backoff(attempt, self._rng))
 
     async def _build_env(
