@@ -247,7 +247,7 @@ class ChatEncoder:
         if isinstance(prompt, str):
             return self._encode_text(prompt, list(images or []))
         return self._encode_text(
-            self.render(prompt, add_generation_prompt=True), _images_of(prompt) + list(images or [])
+            self.render(prompt, add_generation_prompt=True), images_of(prompt) + list(images or [])
         )
 
     def encode_observation(self, message: dict[str, Any] | list[dict[str, Any]]) -> Encoded:
@@ -259,7 +259,7 @@ class ChatEncoder:
         prefix, _ = self._prefix_for(messages[0])
         if not text.startswith(prefix):  # the template renders the dummy turns differently for these messages
             prefix = text[: self._cut(text)[0]]
-        return self._encode_text(text[len(prefix) :], _images_of(messages))
+        return self._encode_text(text[len(prefix) :], images_of(messages))
 
     def closing_ids(
         self, generated: list[int], message: dict[str, Any] | list[dict[str, Any]] | None = None
@@ -377,7 +377,7 @@ class ChatEncoder:
         ends_with_observation = bool(trajectory.turns) and trajectory.turns[-1].observation is not None
         render = self._encode_text(
             self.render(messages, add_generation_prompt=ends_with_observation or not trajectory.turns),
-            _images_of(messages),
+            images_of(messages),
             payloads=False,  # the token ids are compared; the backend's copies of the images are not needed
         ).token_ids
         actual = trajectory.tokens.tolist()
@@ -574,7 +574,7 @@ class ChatEncoder:
         for message in messages:
             content = message.get("content")
             if isinstance(content, list):
-                if _images_of([message]):
+                if images_of([message]):
                     raise ObservationError(
                         f"a {message.get('role')!r} message holds images but the encoder has no VLM processor"
                     )
@@ -630,7 +630,7 @@ def _as_messages(observation: dict[str, Any] | list[dict[str, Any]]) -> list[dic
     return messages
 
 
-def _images_of(messages: list[dict[str, Any]]) -> list[Any]:
+def images_of(messages: list[dict[str, Any]]) -> list[Any]:
     """Images in the messages' content parts, in order (`{"type": "image", "image": ...}`)."""
     return [
         part.get("image")

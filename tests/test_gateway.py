@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 
+import anthropic
 import anyio
 import openai
 import pytest
+from PIL import Image
 
 from engine.agents.gateway import Gateway
 from engine.backends.base import SamplingParams
@@ -60,7 +62,7 @@ def gateway_over(
     return Gateway(scheduler, **options), backend
 
 
-OPEN_CLIENTS: list[openai.AsyncOpenAI] = []
+OPEN_CLIENTS: list[openai.AsyncOpenAI | anthropic.AsyncAnthropic] = []
 
 
 def client(gateway: Gateway, session) -> openai.AsyncOpenAI:
@@ -294,3 +296,136 @@ async def test_an_openai_agents_sdk_agent_with_a_function_tool_runs_as_one_sessi
     assert len(chains) == 1 and len(chains[0].turns) == 2  # the SDK sent its history back unchanged: no fork
     assert chains[0].status == Status.COMPLETED
     assert_sampled_exactly(chains[0], turns)
+
+
+# -- Anthropic Messages, through the official `anthropic` SDK -------------------------------------------------
+ANTHROPIC_TOOLS = [{"name": t["function"]["name"], "description": t["function"]["description"],
+                    "input_schema": t["function"]["parameters"]} for t in TOOLS]  # fmt: skip
+
+
+def anthropic_client(gateway: Gateway, session) -> anthropic.AsyncAnthropic:
+    agent = anthropic.AsyncAnthropic(base_url=gateway.base_url(session, "anthropic"), api_key="unused", max_retries=0)
+    OPEN_CLIENTS.append(agent)
+    return agent
+
+
+@pytest.mark.anyio
+async def test_a_tool_use_session_through_the_anthropic_sdk(encoder):
+    turns = [sampled(encoder, CALL), sampled(encoder, "It is sunny in Paris.")]
+    gateway, backend = gateway_over(encoder, list(turns))
+    system, question = PROMPT[0]["content"], [{"role": "user", "content": PROMPT[1]["content"]}]
+    async with gateway.serving():
+        session = gateway.open_session()
+        agent = anthropic_client(gateway, session)
+        first = await agent.messages.create(
+            model="policy",
+            max_tokens=256,
+            system=system,
+            messages=question,
+            tools=ANTHROPIC_TOOLS,
+            extra_body={"temperature": 0.5},  # sent by clients whose SDK still has it
+        )
+        assert first.stop_reason == "tool_use"
+        (use,) = first.content
+        assert (use.type, use.name, use.input) == ("tool_use", "get_weather", {"city": "Paris"})
+        history = [
+            *question,
+            {"role": "assistant", "content": [block.model_dump(exclude_none=True) for block in first.content]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "Sunny, 24 C."}]},
+        ]
+        second = await agent.messages.create(
+            model="policy", max_tokens=256, system=system, messages=history, tools=ANTHROPIC_TOOLS
+        )
+        assert (second.stop_reason, second.content[0].text) == ("end_turn", "It is sunny in Paris.")
+        assert second.usage.output_tokens == len(turns[1])
+        (trajectory,) = await gateway.finish(session.id)
+    assert gateway.counts["sampling_ignored:temperature"] == 1
+    assert len(trajectory.turns) == 2 and trajectory.status == Status.COMPLETED  # one chain: no fork
+    assert_sampled_exactly(trajectory, turns)
+    tool = {"role": "tool", "tool_call_id": use.id, "content": "Sunny, 24 C.", "name": "get_weather"}  # named
+    assert trajectory.turns[0].observation == [tool]
+
+
+@pytest.mark.anyio
+async def test_anthropic_streaming_assembles_thinking_and_tool_use(encoder):
+    turns = [sampled(encoder, "<think>\nI should look it up.\n</think>\n\n" + CALL)]
+    gateway, _ = gateway_over(encoder, list(turns))
+    async with gateway.serving():
+        session = gateway.open_session()
+        agent = anthropic_client(gateway, session)
+        async with agent.messages.stream(
+            model="policy", max_tokens=256, messages=[{"role": "user", "content": "Weather in Paris?"}],
+            tools=ANTHROPIC_TOOLS,
+        ) as stream:  # fmt: skip
+            final = await stream.get_final_message()
+        await gateway.finish(session.id)
+    thinking, use = final.content
+    assert (thinking.type, thinking.thinking) == ("thinking", "I should look it up.")
+    assert (use.type, use.name, use.input) == ("tool_use", "get_weather", {"city": "Paris"})
+    assert final.stop_reason == "tool_use" and final.usage.output_tokens == len(turns[0])
+
+
+@pytest.mark.anyio
+async def test_anthropic_bad_requests_are_its_own_errors(encoder):
+    gateway, _ = gateway_over(encoder, [])
+    async with gateway.serving():
+        session = gateway.open_session()
+        agent = anthropic_client(gateway, session)
+        with pytest.raises(anthropic.BadRequestError, match="max_tokens"):
+            await agent.messages.create(model="policy", max_tokens=0, messages=[{"role": "user", "content": "x"}])
+        with pytest.raises(anthropic.BadRequestError, match="a 'tool_use' block has no place in a user message"):
+            await agent.messages.create(
+                model="policy", max_tokens=8,
+                messages=[{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}],
+            )  # fmt: skip
+        stranger = anthropic.AsyncAnthropic(base_url=f"{gateway.url}/sessions/nobody", api_key="x", max_retries=0)
+        OPEN_CLIENTS.append(stranger)
+        with pytest.raises(anthropic.NotFoundError, match="no open session 'nobody'"):
+            await stranger.messages.create(model="policy", max_tokens=8, messages=[{"role": "user", "content": "x"}])
+        await gateway.finish(session.id)
+
+
+@pytest.mark.anyio
+async def test_images_to_a_policy_without_a_processor_are_refused_not_dropped(encoder):
+    gateway, _ = gateway_over(encoder, [])
+    picture = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    async with gateway.serving():
+        session = gateway.open_session()
+        with pytest.raises(openai.BadRequestError, match="the request holds images, but the policy takes none"):
+            await client(gateway, session).chat.completions.create(
+                model="policy", messages=[{"role": "user", "content": [picture, {"type": "text", "text": "What?"}]}]
+            )
+        await gateway.finish(session.id)
+
+
+@pytest.mark.anyio
+async def test_images_reach_the_model_and_the_trainer(processor):
+    """OpenAI `image_url` parts (in the prompt) and Anthropic-style later images (a user message after a tool
+    result) go to the backend as image_data and to the trainer's inputs, merged once."""
+    from engine.multimodal import image_payload
+
+    vision = ChatEncoder(processor.tokenizer, processor=processor)
+    red, blue = (image_payload(Image.new("RGB", (56, 56), color)) for color in ((200, 30, 30), (30, 30, 200)))
+    turns = [sampled(vision, CALL), sampled(vision, "Both are squares.")]
+    gateway, backend = gateway_over(vision, list(turns))
+    first_ask = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": red}},
+                                              {"type": "text", "text": "What is this?"}]}]  # fmt: skip
+    async with gateway.serving():
+        session = gateway.open_session()
+        agent = client(gateway, session)
+        first = (await agent.chat.completions.create(model="policy", messages=first_ask, tools=TOOLS)).choices[0]
+        call = first.message.tool_calls[0]
+        later = [
+            *first_ask,
+            first.message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": call.id, "content": "Sunny."},
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": blue}},
+                                         {"type": "text", "text": "And this?"}]},
+        ]  # fmt: skip
+        await agent.chat.completions.create(model="policy", messages=later, tools=TOOLS)
+        (trajectory,) = await gateway.finish(session.id)
+    assert [len(request.image_data or []) for request in backend.requests] == [1, 2]
+    assert len(trajectory.image_data) == 2
+    merged = trajectory.train_inputs.merge()
+    assert merged is not None and merged["image_grid_thw"].shape[0] == 2  # both images, once each
+    assert_sampled_exactly(trajectory, turns)

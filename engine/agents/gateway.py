@@ -8,8 +8,9 @@ turn of the engine (engine/agents/session.py).
         ...                                          # the agent runs, calling POST {base_url}/chat/completions
         chains = await gateway.finish(session.id)    # its trajectories, ended: one sample each
 
-Served: OpenAI Chat Completions (`/sessions/<id>/v1/chat/completions`, streaming and not). Starlette under
-uvicorn, in the caller's event loop; the host process keeps its signal handlers.
+Served, streaming and not: OpenAI Chat Completions (`/sessions/<id>/v1/chat/completions`, base URL
+`.../sessions/<id>/v1`) and Anthropic Messages (`/sessions/<id>/v1/messages`, base URL `.../sessions/<id>`).
+Starlette under uvicorn, in the caller's event loop; the host process keeps its signal handlers.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import socket
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import anyio
@@ -30,9 +32,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from engine.agents import openai_chat
-from engine.agents.openai_chat import RequestError
+from engine.agents import anthropic_messages, openai_chat
+from engine.agents.request import RequestError
 from engine.agents.session import Chain, Session, SessionEnv
+from engine.encoding import images_of
 from engine.envs.base import EnvRunner
 from engine.parsers import MalformedCall, ParsedTurn
 from engine.scheduler.scheduler import Scheduler
@@ -72,7 +75,10 @@ class Gateway:
         self._tasks: anyio.abc.TaskGroup | None = None
         self._drives: dict[int, anyio.Event] = {}  # trajectory id -> set when its drive ended
         self.app = Starlette(
-            routes=[Route("/sessions/{session_id}/v1/chat/completions", self._chat_completions, methods=["POST"])]
+            routes=[
+                Route("/sessions/{session_id}/v1/chat/completions", self._chat_completions, methods=["POST"]),
+                Route("/sessions/{session_id}/v1/messages", self._messages, methods=["POST"]),
+            ]
         )
 
     # -- sessions ----------------------------------------------------------------------------------------
@@ -84,11 +90,13 @@ class Gateway:
         session = self.sessions[session_id] = Session(session_id, dict(metadata or {}))
         return session
 
-    def base_url(self, session: Session) -> str:
-        """The OpenAI base URL an agent of this session is given."""
+    def base_url(self, session: Session, api: Literal["openai", "anthropic"] = "openai") -> str:
+        """The base URL an agent of this session is given: OpenAI's (`.../v1`), or Anthropic's (without the
+        `/v1` its SDK and Claude Code append)."""
         if self._public_url is None:
             raise RuntimeError("the gateway is not serving: use `async with gateway.serving(...)`")
-        return f"{self._public_url}/sessions/{session.id}/v1"
+        root = f"{self._public_url}/sessions/{session.id}"
+        return root if api == "anthropic" else f"{root}/v1"
 
     async def finish(self, session_id: str) -> list[Trajectory]:
         """End the session: each chain's pending env step ends it (env done); its trajectories, once ended."""
@@ -140,57 +148,83 @@ class Gateway:
             done.set()
             chain.turn_ended()  # a request still waiting learns that the chain ended
 
-    # -- OpenAI Chat Completions ---------------------------------------------------------------------------
-    async def _chat_completions(self, request: Request) -> Response:
+    # -- the dialects ---------------------------------------------------------------------------------------
+    def _session(self, request: Request) -> Session:
         self.counts["requests"] += 1
+        session = self.sessions.get(request.path_params["session_id"])
+        if session is None:
+            raise RequestError(
+                f"no open session {request.path_params['session_id']!r}", status=404, kind="not_found_error"
+            )
+        return session
+
+    def _count_sampling(self, asked: list[str]) -> None:
+        for name in asked:
+            self.counts[f"sampling_ignored:{name}"] += 1
+
+    async def _chat_completions(self, request: Request) -> Response:
+        """OpenAI Chat Completions."""
         try:
-            session = self.sessions.get(request.path_params["session_id"])
-            if session is None:
-                raise RequestError(
-                    f"no open session {request.path_params['session_id']!r}", status=404, kind="not_found_error"
-                )
+            session = self._session(request)
             chat = openai_chat.read_request(await request.body(), client_sampling=self.client_sampling)
-            for name in chat.sampling_asked():
-                self.counts[f"sampling_ignored:{name}"] += 1
-            chain, message, turn_info = await self._turn(session, chat)
+            self._count_sampling(chat.sampling_asked())
+            message, info = await self._turn(session, chat.chat_messages(), chat.tools)
         except RequestError as error:
             self.counts[f"bad_requests:{error.status}"] += 1
             return JSONResponse(error.body(), status_code=error.status)
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
-        reason = openai_chat.finish_reason(message, turn_info["length"])
+        reason = openai_chat.finish_reason(message, info.length)
+        total = info.prompt_tokens + info.completion_tokens
         usage = CompletionUsage(
-            prompt_tokens=turn_info["prompt_tokens"],
-            completion_tokens=turn_info["completion_tokens"],
-            total_tokens=turn_info["prompt_tokens"] + turn_info["completion_tokens"],
+            prompt_tokens=info.prompt_tokens, completion_tokens=info.completion_tokens, total_tokens=total
         )
         model = chat.model or self.model_name
         if not chat.stream:
             reply = openai_chat.completion(completion_id, model, message, reason, usage)
             return JSONResponse(reply.model_dump(mode="json", exclude_unset=True))
         include_usage = bool((chat.stream_options or {}).get("include_usage"))
-        events = openai_chat.chunks(completion_id, model, message, reason, usage if include_usage else None)
+        chunks = openai_chat.chunks(completion_id, model, message, reason, usage if include_usage else None)
+        lines = (f"data: {chunk.model_dump_json(exclude_unset=True)}\n\n" for chunk in chunks)
+        return _event_stream([*lines, "data: [DONE]\n\n"])
 
-        async def stream() -> AsyncIterator[str]:
-            for event in events:
-                yield f"data: {event.model_dump_json(exclude_unset=True)}\n\n"
-            yield "data: [DONE]\n\n"
+    async def _messages(self, request: Request) -> Response:
+        """Anthropic Messages."""
+        try:
+            session = self._session(request)
+            body = anthropic_messages.read_request(await request.body(), client_sampling=self.client_sampling)
+            self._count_sampling(body.sampling_asked())
+            message, info = await self._turn(session, body.chat_messages(), body.chat_tools())
+        except RequestError as error:
+            self.counts[f"bad_requests:{error.status}"] += 1
+            return JSONResponse(anthropic_messages.error_body(error), status_code=error.status)
+        reason = anthropic_messages.stop_reason(message, info.length)
+        model = body.model or self.model_name
+        if not body.stream:
+            reply = anthropic_messages.reply(model, message, reason, info.prompt_tokens, info.completion_tokens)
+            return JSONResponse(reply.model_dump(mode="json", exclude_unset=True))
+        events = anthropic_messages.events(model, message, reason, info.prompt_tokens, info.completion_tokens)
+        lines = [f"event: {e.type}\ndata: {e.model_dump_json(exclude_unset=True)}\n\n" for e in events]
+        return _event_stream(lines)
 
-        return StreamingResponse(stream(), media_type="text/event-stream")
-
+    # -- one turn --------------------------------------------------------------------------------------------
     async def _turn(
-        self, session: Session, chat: openai_chat.ChatRequest
-    ) -> tuple[Chain, dict[str, Any], dict[str, Any]]:
+        self, session: Session, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    ) -> tuple[dict[str, Any], TurnInfo]:
         """Route the request to its chain (or fork a new one), wait for the model's turn, and make the reply."""
         if session.closed:
             raise RequestError(f"session {session.id} is finished", status=409)
-        chain, fit = session.route(chat.messages, chat.tools)
+        if self.scheduler.encoder.processor is None and images_of(messages):
+            raise RequestError(
+                "the request holds images, but the policy takes none (no VLM processor)", param="messages"
+            )
+        chain, fit = session.route(messages, tools)
         if chain is None:
             if self._tasks is None:
                 raise RequestError("the gateway is shutting down", status=503, kind="server_error")
             cause = fit.cause if session.chains else None
             if cause is not None:
                 self.counts[f"forks:{cause}"] += 1
-            chain = session.start(chat.messages, chat.tools, cause)
+            chain = session.start(messages, tools, cause)
             async with chain.lock:
                 self._tasks.start_soon(self._drive, chain)
                 turn = await chain.next_turn()
@@ -201,10 +235,10 @@ class Gateway:
         trajectory = chain.trajectory
         if turn is None:
             raise self._no_turn(trajectory)
-        encoder = self.scheduler.encoder.for_tools(chat.tools)
+        encoder = self.scheduler.encoder.for_tools(tools)
         generated = trajectory.generated_ids(turn).tolist()
         try:
-            parsed = encoder.parse_turn(generated, tools=chat.tools)
+            parsed = encoder.parse_turn(generated, tools=tools)
         except MalformedCall:
             self.counts["parse_failures"] += 1
             parsed = ParsedTurn(encoder.response_text(generated))
@@ -219,8 +253,7 @@ class Gateway:
             StopReason.LENGTH,
             StopReason.TOKEN_BUDGET,
         )
-        info = {"length": length, "prompt_tokens": turn.prompt_tokens, "completion_tokens": turn.num_generated}
-        return chain, message, info
+        return message, TurnInfo(length, turn.prompt_tokens, turn.num_generated)
 
     @staticmethod
     def _no_turn(trajectory: Trajectory) -> RequestError:
@@ -236,3 +269,20 @@ class Gateway:
         return RequestError(
             f"the session's trajectory ended ({trajectory.stop_reason}): {last}", status=status, kind="server_error"
         )
+
+
+@dataclass(frozen=True, slots=True)
+class TurnInfo:
+    length: bool  # the turn was cut by the token cap, the budget or the context window
+    prompt_tokens: int
+    completion_tokens: int
+
+
+def _event_stream(lines: list[str]) -> StreamingResponse:
+    """Server-sent events: the turn is whole before its first event is sent."""
+
+    async def send() -> AsyncIterator[str]:
+        for line in lines:
+            yield line
+
+    return StreamingResponse(send(), media_type="text/event-stream")

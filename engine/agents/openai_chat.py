@@ -20,8 +20,9 @@ from openai.types.chat.chat_completion_chunk import ChoiceDelta, ChoiceDeltaTool
 from openai.types.chat.chat_completion_message import ChatCompletionMessage
 from openai.types.chat.chat_completion_message_function_tool_call import ChatCompletionMessageFunctionToolCall, Function
 from openai.types.completion_usage import CompletionUsage
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from engine.agents.request import RequestError, validated
 from engine.parsers import ParsedTurn
 
 # Request fields that would change how the model samples: the rollout's settings rule.
@@ -30,19 +31,6 @@ IGNORED = (
     "repetition_penalty", "reasoning_effort",
 )  # fmt: skip
 ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
-class RequestError(ValueError):
-    """A request the gateway cannot serve: HTTP `status`, the offending `param`, OpenAI's error `type`."""
-
-    def __init__(
-        self, message: str, *, status: int = 400, param: str | None = None, kind: str = "invalid_request_error"
-    ):
-        super().__init__(message)
-        self.status, self.param, self.kind = status, param, kind
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": None}}
 
 
 class ChatRequest(BaseModel):
@@ -77,6 +65,10 @@ class ChatRequest(BaseModel):
                     raise ValueError(f"messages[{i}].tool_calls[{j}] needs an id and a function name")
         return messages
 
+    def chat_messages(self) -> list[dict[str, Any]]:
+        """The messages as templates and processors take them: `image_url` parts as image parts."""
+        return [_with_images(message) for message in self.messages]
+
     @property
     def cap(self) -> int | None:
         """The client's per-reply token cap (max_completion_tokens, else the deprecated max_tokens)."""
@@ -90,29 +82,30 @@ class ChatRequest(BaseModel):
 
 def read_request(body: bytes, *, client_sampling: Literal["ignore", "refuse"] = "ignore") -> ChatRequest:
     """The request, or RequestError naming what is wrong with it."""
-    try:
-        raw = json.loads(body)
-    except ValueError as exc:
-        raise RequestError(f"the body is not JSON: {exc}") from None
-    if not isinstance(raw, dict):
-        raise RequestError("the body is not a JSON object")
-    try:
-        request = ChatRequest.model_validate(raw)
-    except ValidationError as exc:
-        error = exc.errors()[0]
-        where = ".".join(str(part) for part in error["loc"])
-        text = error["msg"].removeprefix("Value error, ")
-        raise RequestError(text if text.startswith(where) else f"{where}: {text}", param=where or None) from None
+    request = validated(body, ChatRequest)
     if request.n != 1:
         raise RequestError(f"n={request.n}: a session samples one reply per request", param="n")
-    if request.tool_choice not in (None, "auto", "none"):
+    if request.tool_choice not in (None, "auto"):
         raise RequestError(
-            f"tool_choice={request.tool_choice!r}: the policy chooses its own calls ('auto' or 'none')",
+            f"tool_choice={request.tool_choice!r}: the policy chooses its own calls (leave it out, or 'auto')",
             param="tool_choice",
         )
     if client_sampling == "refuse" and (asked := request.sampling_asked()):
         raise RequestError(f"{', '.join(asked)}: the rollout's sampling settings rule", param=asked[0])
     return request
+
+
+def _with_images(message: dict[str, Any]) -> dict[str, Any]:
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    parts = [
+        {"type": "image", "image": (part.get("image_url") or {}).get("url")}
+        if isinstance(part, dict) and part.get("type") == "image_url"
+        else part
+        for part in content
+    ]
+    return {**message, "content": parts}
 
 
 def message_of(turn: ParsedTurn, call_ids: list[str]) -> dict[str, Any]:
