@@ -19,7 +19,7 @@ from engine.encoding import ChatEncoder
 from engine.errors import BackendError, ErrorClass
 from engine.scheduler.retry import CircuitBreaker, RetryPolicy
 from engine.scheduler.scheduler import Scheduler
-from engine.trajectory import Status
+from engine.trajectory import Status, StopReason
 from engine.turn import TurnLimits
 from tests.fakes import ScriptedBackend
 
@@ -429,3 +429,28 @@ async def test_images_reach_the_model_and_the_trainer(processor):
     merged = trajectory.train_inputs.merge()
     assert merged is not None and merged["image_grid_thw"].shape[0] == 2  # both images, once each
     assert_sampled_exactly(trajectory, turns)
+
+
+@pytest.mark.anyio
+async def test_a_session_past_the_staleness_bound_ends_stale_and_is_never_regenerated(encoder):
+    """Restarting from the prompt would hand the agent replies it never asked for: a chain whose tokens span
+    more weight versions than max_staleness ends STALE (not trained on) even under on_stale="restart", and
+    the agent's next request gets one clear error."""
+    turns = [sampled(encoder, CALL), sampled(encoder, "It is sunny in Paris.")]
+    gateway, backend = gateway_over(encoder, list(turns))
+    scheduler = gateway.scheduler
+    scheduler.max_staleness, scheduler.on_stale = 0, "restart"
+    async with gateway.serving():
+        session = gateway.open_session()
+        agent = client(gateway, session)
+        first = (await agent.chat.completions.create(model="policy", messages=PROMPT, tools=TOOLS)).choices[0]
+        await scheduler.pause_generation()
+        backend.weight_version_ = "v1"
+        scheduler.resume_generation("v1")
+        tool = {"role": "tool", "tool_call_id": first.message.tool_calls[0].id, "content": "Sunny."}
+        messages = [*PROMPT, first.message.model_dump(exclude_none=True), tool]
+        with pytest.raises(openai.ConflictError, match="chain ended stale: its tokens span more weight versions"):
+            await agent.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
+        (trajectory,) = await gateway.finish(session.id)
+    assert trajectory.stop_reason == StopReason.STALE and len(backend.requests) == 1  # never regenerated
+    assert_sampled_exactly(trajectory, turns[:1])

@@ -264,6 +264,12 @@ class Gateway:
                 param="messages",
                 kind="invalid_request_error",
             )
+        if trajectory.stop_reason == StopReason.STALE:
+            return RequestError(
+                "the session's chain ended stale: its tokens span more weight versions than max_staleness allows "
+                "(a chain is never regenerated under its agent); start the conversation again",
+                status=409,
+            )
         last = trajectory.errors[-1].message if trajectory.errors else str(trajectory.stop_reason)
         status = 502 if trajectory.status == Status.FAILED else 409
         return RequestError(

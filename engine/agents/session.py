@@ -104,6 +104,7 @@ class SessionEnv(AsyncInteractionEnv):
     requests."""
 
     needs_env_slot = False
+    restartable = False  # the agent saw every turn: too stale, the chain ends STALE rather than run again
 
     def __init__(self, chain: Chain):
         self.chain = chain

@@ -43,6 +43,9 @@ class BaseInteractionEnv:
     # Set False when a step only waits for work done elsewhere (an agent program's next request): it then
     # holds no env slot, so such waits do not bound how many other envs step at once.
     needs_env_slot: bool = True
+    # Set False when the trajectory may not run again from its prompt once too stale, because something
+    # outside saw its earlier turns (an agent program): it then ends STALE instead (on_stale="finish").
+    restartable: bool = True
 
     def reset(self) -> tuple[dict[str, Any], dict[str, Any]]:
         raise NotImplementedError
@@ -128,6 +131,10 @@ class EnvRunner:
     @property
     def needs_env_slot(self) -> bool:
         return bool(getattr(self.env, "needs_env_slot", True))
+
+    @property
+    def restartable(self) -> bool:
+        return bool(getattr(self.env, "restartable", True))
 
     @property
     def is_busy(self) -> bool:

@@ -302,6 +302,7 @@ class RemoteEnvRunner:
         return self._replay_safe
 
     needs_env_slot = True  # a step works in a worker process
+    restartable = True
 
     @property
     def is_busy(self) -> bool:

@@ -420,8 +420,9 @@ class Scheduler:
 
     async def _stale(self, trajectory: Trajectory, env: _Env, budget: RetryBudget) -> bool:
         """Too stale to go on or to return: start again from the prompt (tokens discarded, env reset), and
-        True; or, with `on_stale="finish"` or its restarts spent, False (it ends STALE)."""
-        if not self.may_restart(trajectory):
+        True; or, with `on_stale="finish"`, its restarts spent or an env that is not `restartable` (an agent
+        session: the agent saw the turns), False (it ends STALE)."""
+        if not self.may_restart(trajectory) or (env.runner is not None and not env.runner.restartable):
             self.count_finished_stale()
             return False
         self.count_discarded(trajectory)
