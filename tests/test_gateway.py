@@ -454,3 +454,53 @@ async def test_a_session_past_the_staleness_bound_ends_stale_and_is_never_regene
         (trajectory,) = await gateway.finish(session.id)
     assert trajectory.stop_reason == StopReason.STALE and len(backend.requests) == 1  # never regenerated
     assert_sampled_exactly(trajectory, turns[:1])
+
+
+# -- OpenAI Responses (what the Codex CLI speaks), through the official `openai` SDK -----------------------
+RESPONSES_TOOLS = [{"type": "function", "name": t["function"]["name"], "description": t["function"]["description"],
+                    "parameters": t["function"]["parameters"], "strict": False} for t in TOOLS]  # fmt: skip
+
+
+@pytest.mark.anyio
+async def test_a_function_calling_session_through_the_responses_api(encoder):
+    turns = [sampled(encoder, "<think>\nLook it up.\n</think>\n\n" + CALL), sampled(encoder, "It is sunny in Paris.")]
+    gateway, _ = gateway_over(encoder, list(turns))
+    async with gateway.serving():
+        session = gateway.open_session()
+        agent = client(gateway, session)
+        question = [{"role": "user", "content": PROMPT[1]["content"]}]
+        first = await agent.responses.create(
+            model="policy", instructions=PROMPT[0]["content"], input=question, tools=RESPONSES_TOOLS, store=False
+        )
+        reasoning, call = first.output
+        assert reasoning.type == "reasoning" and reasoning.content[0].text == "Look it up."
+        assert (call.type, call.name, json.loads(call.arguments)) == ("function_call", "get_weather", {"city": "Paris"})
+        # the Codex way: the whole input again, the output items as they came, then the call's output
+        history = [
+            *question,
+            *[item.model_dump(exclude_none=True) for item in first.output],
+            {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 24 C."},
+        ]
+        async with agent.responses.stream(
+            model="policy", instructions=PROMPT[0]["content"], input=history, tools=RESPONSES_TOOLS, store=False
+        ) as stream:
+            texts = [event.delta async for event in stream if event.type == "response.output_text.delta"]
+            second = await stream.get_final_response()
+        (trajectory,) = await gateway.finish(session.id)
+    assert texts == ["It is sunny in Paris."] and second.output_text == "It is sunny in Paris."
+    assert second.status == "completed" and second.usage.output_tokens == len(turns[1])
+    assert len(trajectory.turns) == 2 and trajectory.status == Status.COMPLETED  # the echo continued the chain
+    assert_sampled_exactly(trajectory, turns)
+
+
+@pytest.mark.anyio
+async def test_the_responses_api_refuses_what_the_gateway_does_not_keep(encoder):
+    gateway, _ = gateway_over(encoder, [])
+    async with gateway.serving():
+        session = gateway.open_session()
+        agent = client(gateway, session)
+        with pytest.raises(openai.BadRequestError, match="previous_response_id: the gateway keeps no responses"):
+            await agent.responses.create(model="policy", input="Hi", previous_response_id="resp_1")
+        with pytest.raises(openai.BadRequestError, match=r"tools\[0\] is a 'web_search' tool"):
+            await agent.responses.create(model="policy", input="Hi", tools=[{"type": "web_search"}])
+        await gateway.finish(session.id)

@@ -35,7 +35,7 @@ from anthropic.types import (
 from anthropic.types.raw_message_delta_event import Delta
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.agents.request import RequestError, validated
+from engine.agents.request import RequestError, check_policy_rules, validated
 
 IGNORED = ("temperature", "top_p", "top_k")
 SIGNATURE = "turnstile"  # thinking blocks carry a signature; the gateway's is constant (nothing to verify)
@@ -98,10 +98,7 @@ def read_request(body: bytes, *, client_sampling: Literal["ignore", "refuse"] = 
     """The request, or RequestError naming what is wrong with it."""
     request = validated(body, MessagesRequest)
     choice = (request.tool_choice or {}).get("type", "auto")
-    if choice != "auto":
-        raise RequestError(f"tool_choice {choice!r}: the policy chooses its own calls (leave it out, or 'auto')")
-    if client_sampling == "refuse" and (asked := request.sampling_asked()):
-        raise RequestError(f"{', '.join(asked)}: the rollout's sampling settings rule", param=asked[0])
+    check_policy_rules(None if choice == "auto" else choice, request.sampling_asked(), client_sampling)
     return request
 
 

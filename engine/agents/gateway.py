@@ -8,9 +8,10 @@ turn of the engine (engine/agents/session.py).
         ...                                          # the agent runs, calling POST {base_url}/chat/completions
         chains = await gateway.finish(session.id)    # its trajectories, ended: one sample each
 
-Served, streaming and not: OpenAI Chat Completions (`/sessions/<id>/v1/chat/completions`, base URL
-`.../sessions/<id>/v1`) and Anthropic Messages (`/sessions/<id>/v1/messages`, base URL `.../sessions/<id>`).
-Starlette under uvicorn, in the caller's event loop; the host process keeps its signal handlers.
+Served, streaming and not: OpenAI Chat Completions (`/sessions/<id>/v1/chat/completions`) and Responses
+(`/sessions/<id>/v1/responses`), base URL `.../sessions/<id>/v1`; Anthropic Messages
+(`/sessions/<id>/v1/messages`, base URL `.../sessions/<id>`). Starlette under uvicorn, in the caller's event
+loop; the host process keeps its signal handlers.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from engine.agents import anthropic_messages, openai_chat
+from engine.agents import anthropic_messages, openai_chat, openai_responses
 from engine.agents.request import RequestError
 from engine.agents.session import Chain, Session, SessionEnv
 from engine.encoding import images_of
@@ -77,6 +78,7 @@ class Gateway:
         self.app = Starlette(
             routes=[
                 Route("/sessions/{session_id}/v1/chat/completions", self._chat_completions, methods=["POST"]),
+                Route("/sessions/{session_id}/v1/responses", self._responses, methods=["POST"]),
                 Route("/sessions/{session_id}/v1/messages", self._messages, methods=["POST"]),
             ]
         )
@@ -162,16 +164,25 @@ class Gateway:
         for name in asked:
             self.counts[f"sampling_ignored:{name}"] += 1
 
-    async def _chat_completions(self, request: Request) -> Response:
-        """OpenAI Chat Completions."""
+    async def _serve(self, request: Request, api: Any) -> tuple[Any, dict[str, Any], TurnInfo] | Response:
+        """One request of an API (a module with `read_request` and `error_body`): the request read, the model's
+        turn for it; or the error response, counted, when either fails."""
         try:
             session = self._session(request)
-            chat = openai_chat.read_request(await request.body(), client_sampling=self.client_sampling)
-            self._count_sampling(chat.sampling_asked())
-            message, info = await self._turn(session, chat.chat_messages(), chat.tools)
+            body = api.read_request(await request.body(), client_sampling=self.client_sampling)
+            self._count_sampling(body.sampling_asked())
+            message, info = await self._turn(session, body.chat_messages(), body.chat_tools())
         except RequestError as error:
             self.counts[f"bad_requests:{error.status}"] += 1
-            return JSONResponse(error.body(), status_code=error.status)
+            return JSONResponse(api.error_body(error), status_code=error.status)
+        return body, message, info
+
+    async def _chat_completions(self, request: Request) -> Response:
+        """OpenAI Chat Completions."""
+        served = await self._serve(request, openai_chat)
+        if isinstance(served, Response):
+            return served
+        chat, message, info = served
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
         reason = openai_chat.finish_reason(message, info.length)
         total = info.prompt_tokens + info.completion_tokens
@@ -187,24 +198,32 @@ class Gateway:
         lines = (f"data: {chunk.model_dump_json(exclude_unset=True)}\n\n" for chunk in chunks)
         return _event_stream([*lines, "data: [DONE]\n\n"])
 
+    async def _responses(self, request: Request) -> Response:
+        """OpenAI Responses."""
+        served = await self._serve(request, openai_responses)
+        if isinstance(served, Response):
+            return served
+        body, message, info = served
+        model = body.model or self.model_name
+        if not body.stream:
+            reply = openai_responses.reply(model, message, info.length, info.prompt_tokens, info.completion_tokens)
+            return JSONResponse(reply.model_dump(mode="json", exclude_unset=True))
+        events = openai_responses.events(model, message, info.length, info.prompt_tokens, info.completion_tokens)
+        return _event_stream([_event(e) for e in events])
+
     async def _messages(self, request: Request) -> Response:
         """Anthropic Messages."""
-        try:
-            session = self._session(request)
-            body = anthropic_messages.read_request(await request.body(), client_sampling=self.client_sampling)
-            self._count_sampling(body.sampling_asked())
-            message, info = await self._turn(session, body.chat_messages(), body.chat_tools())
-        except RequestError as error:
-            self.counts[f"bad_requests:{error.status}"] += 1
-            return JSONResponse(anthropic_messages.error_body(error), status_code=error.status)
+        served = await self._serve(request, anthropic_messages)
+        if isinstance(served, Response):
+            return served
+        body, message, info = served
         reason = anthropic_messages.stop_reason(message, info.length)
         model = body.model or self.model_name
         if not body.stream:
             reply = anthropic_messages.reply(model, message, reason, info.prompt_tokens, info.completion_tokens)
             return JSONResponse(reply.model_dump(mode="json", exclude_unset=True))
         events = anthropic_messages.events(model, message, reason, info.prompt_tokens, info.completion_tokens)
-        lines = [f"event: {e.type}\ndata: {e.model_dump_json(exclude_unset=True)}\n\n" for e in events]
-        return _event_stream(lines)
+        return _event_stream([_event(e) for e in events])
 
     # -- one turn --------------------------------------------------------------------------------------------
     async def _turn(
@@ -282,6 +301,11 @@ class TurnInfo:
     length: bool  # the turn was cut by the token cap, the budget or the context window
     prompt_tokens: int
     completion_tokens: int
+
+
+def _event(event: Any) -> str:
+    """A typed stream event as a server-sent event, named by its type (Responses', Anthropic's)."""
+    return f"event: {event.type}\ndata: {event.model_dump_json(exclude_unset=True)}\n\n"
 
 
 def _event_stream(lines: list[str]) -> StreamingResponse:

@@ -22,7 +22,7 @@ from openai.types.chat.chat_completion_message_function_tool_call import ChatCom
 from openai.types.completion_usage import CompletionUsage
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from engine.agents.request import RequestError, validated
+from engine.agents.request import RequestError, check_policy_rules, validated
 from engine.parsers import ParsedTurn
 
 # Request fields that would change how the model samples: the rollout's settings rule.
@@ -65,6 +65,9 @@ class ChatRequest(BaseModel):
                     raise ValueError(f"messages[{i}].tool_calls[{j}] needs an id and a function name")
         return messages
 
+    def chat_tools(self) -> list[dict[str, Any]] | None:
+        return self.tools
+
     def chat_messages(self) -> list[dict[str, Any]]:
         """The messages as templates and processors take them: `image_url` parts as image parts."""
         return [_with_images(message) for message in self.messages]
@@ -85,14 +88,12 @@ def read_request(body: bytes, *, client_sampling: Literal["ignore", "refuse"] = 
     request = validated(body, ChatRequest)
     if request.n != 1:
         raise RequestError(f"n={request.n}: a session samples one reply per request", param="n")
-    if request.tool_choice not in (None, "auto"):
-        raise RequestError(
-            f"tool_choice={request.tool_choice!r}: the policy chooses its own calls (leave it out, or 'auto')",
-            param="tool_choice",
-        )
-    if client_sampling == "refuse" and (asked := request.sampling_asked()):
-        raise RequestError(f"{', '.join(asked)}: the rollout's sampling settings rule", param=asked[0])
+    check_policy_rules(request.tool_choice, request.sampling_asked(), client_sampling)
     return request
+
+
+def error_body(error: RequestError) -> dict[str, Any]:
+    return error.body()
 
 
 def _with_images(message: dict[str, Any]) -> dict[str, Any]:

@@ -4,7 +4,7 @@ request gets (each dialect writes it in its API's own error format)."""
 from __future__ import annotations
 
 import json
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
@@ -39,3 +39,15 @@ def validated(body: bytes, model: type[Model]) -> Model:
         where = ".".join(str(part) for part in error["loc"])
         text = error["msg"].removeprefix("Value error, ")
         raise RequestError(text if text.startswith(where) else f"{where}: {text}", param=where or None) from None
+
+
+def check_policy_rules(tool_choice: Any, asked: list[str], client_sampling: Literal["ignore", "refuse"]) -> None:
+    """What a request may not ask of the policy: a forced tool choice (the policy chooses its own calls), or,
+    with `client_sampling="refuse"`, sampling of its own (`asked`: the fields it set)."""
+    if tool_choice not in (None, "auto"):
+        raise RequestError(
+            f"tool_choice={tool_choice!r}: the policy chooses its own calls (leave it out, or 'auto')",
+            param="tool_choice",
+        )
+    if client_sampling == "refuse" and asked:
+        raise RequestError(f"{', '.join(asked)}: the rollout's sampling settings rule", param=asked[0])
