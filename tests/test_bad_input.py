@@ -1023,35 +1023,61 @@ def test_the_docs_table_names_every_case_and_every_case_is_in_it():
 # -- agent requests to the session gateway (engine/agents, docs/agents.md) --------------------------------
 PICTURE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
 CHAT, RESPONSES, MESSAGES = "v1/chat/completions", "v1/responses", "v1/messages"
-AGENT_CASES = {
-    "unknown-session": (CHAT, {"messages": [{"role": "user", "content": "x"}]}, 404, "no open session 'nobody'"),
-    "not-json": (CHAT, b"{oops", 400, "the body is not JSON"),
-    "n-above-1": (CHAT, {"messages": [{"role": "user", "content": "x"}], "n": 2}, 400, "n=2: a session samples one reply per request"),
-    "forced-tool-choice": (CHAT, {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, 400, "tool_choice='required': the policy chooses its own calls"),
-    "unknown-role": (CHAT, {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role is 'robot'; one of system, developer, user, assistant, tool"),
-    "tool-result-for-no-call": (CHAT, {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0] is a tool message without tool_call_id"),
-    "client-sampling-refused": (CHAT, {"messages": [{"role": "user", "content": "x"}], "temperature": 0.3}, 400, "temperature: the rollout's sampling settings rule"),
-    "images-without-processor": (CHAT, {"messages": [{"role": "user", "content": [PICTURE]}]}, 400, "the request holds images, but the policy takes none (no VLM processor)"),
-    "previous-response-id": (RESPONSES, {"input": "x", "previous_response_id": "resp_1"}, 400, "previous_response_id: the gateway keeps no responses; send the whole input (store: false)"),
-    "non-function-tool": (RESPONSES, {"input": "x", "tools": [{"type": "web_search"}]}, 400, "tools[0] is a 'web_search' tool; the gateway serves function tools"),
-    "block-out-of-place": (MESSAGES, {"max_tokens": 8, "messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]}, 400, "messages.0.content.0: a 'tool_use' block has no place in a user message"),
-    "no-max-tokens": (MESSAGES, {"messages": [{"role": "user", "content": "x"}]}, 400, "max_tokens: Field required"),
-}  # fmt: skip
+USER = [{"role": "user", "content": "x"}]
+TOOL_USE = [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]
+AGENT_CASES = [  # the API, the body, the status, the error message (or its start)
+    pytest.param(CHAT, {"messages": USER}, 404, "no open session 'nobody'", id="unknown-session"),
+    pytest.param(CHAT, b"{oops", 400, "the body is not JSON", id="not-json"),
+    pytest.param(CHAT, {"messages": USER, "n": 2}, 400, "n=2: a session samples one reply per request", id="n-above-1"),
+    pytest.param(
+        CHAT, {"messages": USER, "tool_choice": "required"}, 400,
+        "tool_choice='required': the policy chooses its own calls", id="forced-tool-choice",
+    ),
+    pytest.param(
+        CHAT, {"messages": [{"role": "robot", "content": "x"}]}, 400,
+        "messages[0].role is 'robot'; one of system, developer, user, assistant, tool", id="unknown-role",
+    ),
+    pytest.param(
+        CHAT, {"messages": [{"role": "tool", "content": "x"}]}, 400,
+        "messages[0] is a tool message without tool_call_id", id="tool-result-for-no-call",
+    ),
+    pytest.param(
+        CHAT, {"messages": USER, "temperature": 0.3}, 400, "temperature: the rollout's sampling settings rule",
+        id="client-sampling-refused",
+    ),
+    pytest.param(
+        CHAT, {"messages": [{"role": "user", "content": [PICTURE]}]}, 400,
+        "the request holds images, but the policy takes none (no VLM processor)", id="images-without-processor",
+    ),
+    pytest.param(
+        RESPONSES, {"input": "x", "previous_response_id": "resp_1"}, 400,
+        "previous_response_id: the gateway keeps no responses; send the whole input (store: false)",
+        id="previous-response-id",
+    ),
+    pytest.param(
+        RESPONSES, {"input": "x", "tools": [{"type": "web_search"}]}, 400,
+        "tools[0] is a 'web_search' tool; the gateway serves function tools", id="non-function-tool",
+    ),
+    pytest.param(
+        MESSAGES, {"max_tokens": 8, "messages": [{"role": "user", "content": TOOL_USE}]}, 400,
+        "messages.0.content.0: a 'tool_use' block has no place in a user message", id="block-out-of-place",
+    ),
+    pytest.param(MESSAGES, {"messages": USER}, 400, "max_tokens: Field required", id="no-max-tokens"),
+]  # fmt: skip
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("case", list(AGENT_CASES))
-async def test_a_bad_agent_request_is_the_apis_own_error_and_ends_nothing_else(case, tokenizer):
+@pytest.mark.parametrize(("path", "body", "status", "message"), AGENT_CASES)
+async def test_a_bad_agent_request_is_the_apis_own_error_and_ends_nothing_else(path, body, status, message, tokenizer):
     import httpx2
 
     from tests.test_gateway import PROMPT, gateway_over, sampled
 
     encoder = ChatEncoder(tokenizer)
-    path, body, status, message = AGENT_CASES[case]
     gateway, _ = gateway_over(encoder, [sampled(encoder, "Fine.")], client_sampling="refuse")
     async with gateway.serving(), httpx2.AsyncClient(base_url=gateway.url, timeout=60) as http:
         session = gateway.open_session()
-        where = "nobody" if case == "unknown-session" else session.id
+        where = "nobody" if status == 404 else session.id
         content = body if isinstance(body, bytes) else json.dumps({"model": "policy", **body}).encode()
         reply = await http.post(f"/sessions/{where}/{path}", content=content)
         assert reply.status_code == status
