@@ -129,11 +129,34 @@ async def scrape_a_run(tokenizer) -> str:
     return response.text
 
 
+async def scrape_a_gateway(tokenizer) -> str:
+    """The session gateway's /metrics after a request with a sampling field, a fork and a bad request."""
+    from tests.test_gateway import PROMPT, gateway_over, sampled
+
+    encoder = ChatEncoder(tokenizer)
+    gateway, _ = gateway_over(encoder, [sampled(encoder, "Sunny."), sampled(encoder, "Rainy.")])
+    async with gateway.serving(), httpx2.AsyncClient(base_url=gateway.url, timeout=60) as client:
+        session = gateway.open_session()
+        chat = f"/sessions/{session.id}/v1/chat/completions"
+        for body in (
+            {"messages": PROMPT, "temperature": 0.5},
+            {"messages": [{"role": "system", "content": "Be brief."}, PROMPT[1]]},  # a fork
+            {"messages": PROMPT, "n": 2},  # a bad request
+        ):
+            await client.post(chat, json={"model": "policy", **body})
+        response = await client.get("/metrics")
+        await gateway.finish(session.id)
+    response.raise_for_status()
+    return response.text
+
+
 @pytest.fixture(scope="module")
 def families(tokenizer) -> dict[str, Family]:
-    """Family name -> kind and labels: what a small run's /metrics shows, plus what the exporter declares."""
+    """Family name -> kind and labels: what a small run's and a gateway's /metrics show, plus what the exporter
+    declares."""
     families = declared_families()
-    for parsed in text_string_to_metric_families(anyio.run(scrape_a_run, tokenizer)):
+    scraped = anyio.run(scrape_a_run, tokenizer) + anyio.run(scrape_a_gateway, tokenizer)
+    for parsed in text_string_to_metric_families(scraped):
         family = families.setdefault(parsed.name, Family(parsed.type))
         assert family.kind == parsed.type, parsed.name
         family.labels |= {k for s in parsed.samples for k in s.labels if k != "le"}

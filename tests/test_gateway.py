@@ -9,6 +9,7 @@ import json
 
 import anthropic
 import anyio
+import httpx2
 import openai
 import pytest
 from PIL import Image
@@ -504,3 +505,34 @@ async def test_the_responses_api_refuses_what_the_gateway_does_not_keep(encoder)
         with pytest.raises(openai.BadRequestError, match=r"tools\[0\] is a 'web_search' tool"):
             await agent.responses.create(model="policy", input="Hi", tools=[{"type": "web_search"}])
         await gateway.finish(session.id)
+
+
+@pytest.mark.anyio
+async def test_the_gateway_serves_its_counts_to_prometheus(encoder):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    turns = [sampled(encoder, "Sunny."), sampled(encoder, "Rainy.")]
+    gateway, _ = gateway_over(encoder, list(turns))
+    async with gateway.serving():
+        session = gateway.open_session()
+        agent = client(gateway, session)
+        await agent.chat.completions.create(model="policy", messages=PROMPT, temperature=0.1, top_p=0.5)
+        edited = [{"role": "system", "content": "Be brief."}, PROMPT[1]]
+        await agent.chat.completions.create(model="policy", messages=edited)
+        with pytest.raises(openai.BadRequestError):
+            await agent.chat.completions.create(model="policy", messages=PROMPT, n=3)
+        async with httpx2.AsyncClient() as http:
+            scraped = (await http.get(f"{gateway.url}/metrics")).text
+        await gateway.finish(session.id)
+    samples = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(scraped)
+        for sample in family.samples
+    }
+    assert samples[("turnstile_agent_requests_total", (("api", "chat/completions"),))] == 3
+    assert samples[("turnstile_agent_forks_total", (("cause", "edited"),))] == 1
+    assert samples[("turnstile_agent_bad_requests_total", (("status", "400"),))] == 1
+    assert samples[("turnstile_agent_sampling_ignored_total", (("field", "temperature"),))] == 1
+    assert samples[("turnstile_agent_sampling_ignored_total", (("field", "top_p"),))] == 1
+    assert samples[("turnstile_agent_sessions", ())] == 1
+    assert samples[("turnstile_agent_chains", (("waiting_for", "agent"),))] == 2  # both chains, between requests

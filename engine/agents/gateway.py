@@ -28,6 +28,9 @@ from typing import Any, Literal
 import anyio
 import uvicorn
 from openai.types.completion_usage import CompletionUsage
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -75,11 +78,14 @@ class Gateway:
         self._public_url: str | None = None
         self._tasks: anyio.abc.TaskGroup | None = None
         self._drives: dict[int, anyio.Event] = {}  # trajectory id -> set when its drive ended
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(GatewayCollector(self))
         self.app = Starlette(
             routes=[
                 Route("/sessions/{session_id}/v1/chat/completions", self._chat_completions, methods=["POST"]),
                 Route("/sessions/{session_id}/v1/responses", self._responses, methods=["POST"]),
                 Route("/sessions/{session_id}/v1/messages", self._messages, methods=["POST"]),
+                Route("/metrics", self._metrics, methods=["GET"]),
             ]
         )
 
@@ -151,8 +157,13 @@ class Gateway:
             chain.turn_ended()  # a request still waiting learns that the chain ended
 
     # -- the dialects ---------------------------------------------------------------------------------------
+    async def _metrics(self, request: Request) -> Response:
+        """The gateway's own series (sessions, requests, forks, bad requests, ignored sampling fields) in
+        Prometheus' text format; the turns' series are the engine's (its observers, its exporter)."""
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
     def _session(self, request: Request) -> Session:
-        self.counts["requests"] += 1
+        self.counts[f"requests:{request.url.path.rsplit('/v1/', 1)[-1]}"] += 1
         session = self.sessions.get(request.path_params["session_id"])
         if session is None:
             raise RequestError(
@@ -316,3 +327,43 @@ def _event_stream(lines: list[str]) -> StreamingResponse:
             yield line
 
     return StreamingResponse(send(), media_type="text/event-stream")
+
+
+class GatewayCollector(Collector):
+    """The gateway's counts as `turnstile_agent_*` series at scrape time (labels: the API, the fork cause, the
+    HTTP status, the ignored field: bounded sets, never a session id)."""
+
+    SERIES = {  # count key -> (series, help, label)
+        "requests": ("agent_requests", "Agent requests to the gateway, by API.", "api"),
+        "forks": ("agent_forks", "Chains started by a request that continued none, by cause.", "cause"),
+        "bad_requests": ("agent_bad_requests", "Requests answered with an error, by HTTP status.", "status"),
+        "sampling_ignored": (
+            "agent_sampling_ignored", "Client sampling fields ignored for the rollout's settings, by field.", "field",
+        ),
+        "parse_failures": ("agent_parse_failures", "Turns whose tool calls the family's parser could not read.", ""),
+    }  # fmt: skip
+
+    def __init__(self, gateway: Gateway):
+        self.gateway = gateway
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        counts = dict(self.gateway.counts)  # a copy: the scrape may run while requests count
+        for key, (series, doc, label) in self.SERIES.items():
+            family = CounterMetricFamily(f"turnstile_{series}", doc, labels=[label] if label else [])
+            for name, value in counts.items():
+                head, _, value_label = name.partition(":")
+                if head == key:
+                    family.add_metric([value_label] if label else [], value)
+            yield family
+        sessions = list(self.gateway.sessions.values())
+        chains = [chain for session in sessions for chain in session.chains if not chain.ended]
+        yield GaugeMetricFamily("turnstile_agent_sessions", "Open sessions.", value=len(sessions))
+        waiting = GaugeMetricFamily(
+            "turnstile_agent_chains", "Chains not ended, by what they wait for.", labels=["waiting_for"]
+        )
+        waiting.add_metric(["agent"], sum(chain.waiting for chain in chains))
+        waiting.add_metric(["model"], sum(not chain.waiting for chain in chains))
+        yield waiting
