@@ -536,3 +536,44 @@ async def test_the_gateway_serves_its_counts_to_prometheus(encoder):
     assert samples[("turnstile_agent_sampling_ignored_total", (("field", "top_p"),))] == 1
     assert samples[("turnstile_agent_sessions", ())] == 1
     assert samples[("turnstile_agent_chains", (("waiting_for", "agent"),))] == 2  # both chains, between requests
+
+
+class GatedBackend(ScriptedBackend):
+    """Replies once `gate` is set: a long generation."""
+
+    def __init__(self, replies):
+        super().__init__(replies)
+        self.gate = anyio.Event()
+
+    async def generate(self, *args, **kwargs):
+        await self.gate.wait()
+        return await super().generate(*args, **kwargs)
+
+
+@pytest.mark.anyio
+async def test_a_client_that_gives_up_and_retries_gets_the_one_reply_of_one_chain(encoder):
+    """An SDK's timeout and retry (the same request again, while the first is generating or after its reply was
+    lost) is answered with the turn the first one got: no second generation, no fork."""
+    turns = [sampled(encoder, "It is sunny in Paris."), sampled(encoder, "Never sampled.")]
+    gateway, _ = gateway_over(encoder, [])
+    backend = gateway.scheduler.backend = GatedBackend(list(turns))
+    async with gateway.serving():
+        session = gateway.open_session()
+        impatient = openai.AsyncOpenAI(base_url=gateway.base_url(session), api_key="x", max_retries=0, timeout=0.5)
+        OPEN_CLIENTS.append(impatient)
+        with pytest.raises(openai.APITimeoutError):
+            await impatient.chat.completions.create(model="policy", messages=PROMPT)
+        replies = []
+
+        async def retry() -> None:
+            replies.append(await client(gateway, session).chat.completions.create(model="policy", messages=PROMPT))
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(retry)
+            backend.gate.set()
+        again = await client(gateway, session).chat.completions.create(model="policy", messages=PROMPT)
+        chains = await gateway.finish(session.id)
+    assert replies[0].choices[0].message.content == again.choices[0].message.content == "It is sunny in Paris."
+    assert len(backend.requests) == 1 and len(chains) == 1 and session.forks == {}
+    assert gateway.counts["repeats"] == 2
+    assert_sampled_exactly(chains[0], turns[:1])

@@ -32,20 +32,26 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from engine.agents import anthropic_messages, openai_chat, openai_responses
+from engine.agents.history import same
 from engine.agents.request import RequestError
 from engine.agents.session import Chain, Session, SessionEnv
 from engine.encoding import images_of
+from engine.engine import freeze_long_lived
 from engine.envs.base import EnvRunner
 from engine.parsers import MalformedCall, ParsedTurn
 from engine.scheduler.scheduler import Scheduler
 from engine.trajectory import Status, StopReason, Trajectory
 
 log = logging.getLogger(__name__)
+
+# An idle connection is kept this long: longer than clients keep theirs (httpx's pool, the SDKs': 5 s), so the
+# client closes first; a server that closes first races a client reusing the connection (a ReadError mid-turn).
+KEEP_ALIVE_S = 75.0
 
 
 class _Server(uvicorn.Server):
@@ -60,7 +66,9 @@ class Gateway:
     """Sessions over one scheduler. `client_sampling`: what a client's temperature, top_p, seed and the like
     get, "ignore" (counted in `counts["sampling_ignored:<field>"]`) or "refuse" (a 400 naming the field).
     `idle_timeout_s`: an agent silent that long after a reply ends its chain (env_timeout, FAILED). A chain
-    waiting for its agent holds no slot of the scheduler."""
+    waiting for its agent holds no slot of the scheduler. `gc_freeze`: as the engine's setting of that name, once
+    per process when serving starts (a full collection over the SDKs, torch and the tokenizer stalled the loop
+    0.3-0.4 s at a time with 1,000 sessions: benchmarks.gateway)."""
 
     def __init__(
         self,
@@ -69,9 +77,11 @@ class Gateway:
         model_name: str = "turnstile",
         client_sampling: Literal["ignore", "refuse"] = "ignore",
         idle_timeout_s: float = 1800.0,
+        gc_freeze: bool = True,
     ):
         self.scheduler, self.model_name, self.client_sampling = scheduler, model_name, client_sampling
         self.idle_timeout_s = idle_timeout_s  # longest an agent may take between a reply and its next request
+        self.gc_freeze = gc_freeze  # as the engine's setting: freeze what is alive when serving starts
         self.sessions: dict[str, Session] = {}
         self.counts: Counter[str] = Counter()
         self.url: str | None = None
@@ -124,6 +134,8 @@ class Gateway:
     ) -> AsyncIterator[Gateway]:
         """Serve on host:port (0: a free port) until the block ends; `public_url` is how agents reach it
         (default http://host:port). Sessions still open at the end are finished."""
+        if self.gc_freeze:
+            freeze_long_lived()
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
@@ -131,7 +143,11 @@ class Gateway:
         bound = sock.getsockname()[1]
         self.url = f"http://{host}:{bound}"
         self._public_url = (public_url or self.url).rstrip("/")
-        server = _Server(uvicorn.Config(self.app, log_level="warning", lifespan="off", access_log=False))
+        server = _Server(
+            uvicorn.Config(
+                self.app, log_level="warning", lifespan="off", access_log=False, timeout_keep_alive=KEEP_ALIVE_S
+            )
+        )
         try:
             async with anyio.create_task_group() as tasks:
                 self._tasks = tasks
@@ -186,6 +202,9 @@ class Gateway:
         except RequestError as error:
             self.counts[f"bad_requests:{error.status}"] += 1
             return JSONResponse(api.error_body(error), status_code=error.status)
+        except ClientDisconnect:  # gone before its body arrived: nothing to answer, nothing started
+            self.counts["disconnects"] += 1
+            return Response(status_code=499)
         return body, message, info
 
     async def _chat_completions(self, request: Request) -> Response:
@@ -203,7 +222,7 @@ class Gateway:
         model = chat.model or self.model_name
         if not chat.stream:
             reply = openai_chat.completion(completion_id, model, message, reason, usage)
-            return JSONResponse(reply.model_dump(mode="json", exclude_unset=True))
+            return _json(reply)
         include_usage = bool((chat.stream_options or {}).get("include_usage"))
         chunks = openai_chat.chunks(completion_id, model, message, reason, usage if include_usage else None)
         lines = (f"data: {chunk.model_dump_json(exclude_unset=True)}\n\n" for chunk in chunks)
@@ -218,7 +237,7 @@ class Gateway:
         model = body.model or self.model_name
         if not body.stream:
             reply = openai_responses.reply(model, message, info.length, info.prompt_tokens, info.completion_tokens)
-            return JSONResponse(reply.model_dump(mode="json", exclude_unset=True))
+            return _json(reply)
         events = openai_responses.events(model, message, info.length, info.prompt_tokens, info.completion_tokens)
         return _event_stream([_event(e) for e in events])
 
@@ -232,7 +251,7 @@ class Gateway:
         model = body.model or self.model_name
         if not body.stream:
             reply = anthropic_messages.reply(model, message, reason, info.prompt_tokens, info.completion_tokens)
-            return JSONResponse(reply.model_dump(mode="json", exclude_unset=True))
+            return _json(reply)
         events = anthropic_messages.events(model, message, reason, info.prompt_tokens, info.completion_tokens)
         return _event_stream([_event(e) for e in events])
 
@@ -248,6 +267,12 @@ class Gateway:
                 "the request holds images, but the policy takes none (no VLM processor)", param="messages"
             )
         chain, fit = session.route(messages, tools)
+        if chain is not None and fit.repeat:  # a client's retry of a request in flight or answered: one reply
+            self.counts["repeats"] += 1
+            await chain.answered.wait()
+            if chain.last_reply is None or not same(chain.last_request or [], messages):
+                raise self._no_turn(chain.trajectory)
+            return chain.last_reply
         if chain is None:
             if self._tasks is None:
                 raise RequestError("the gateway is shutting down", status=503, kind="server_error")
@@ -255,13 +280,23 @@ class Gateway:
             if cause is not None:
                 self.counts[f"forks:{cause}"] += 1
             chain = session.start(messages, tools, cause)
+        chain.pending, chain.answered = messages, anyio.Event()
+        try:
             async with chain.lock:
-                self._tasks.start_soon(self._drive, chain)
+                if fit.new is None:  # a new chain: its first turn
+                    self._tasks.start_soon(self._drive, chain)
+                else:
+                    await chain.send(fit.new)
                 turn = await chain.next_turn()
-        else:
-            async with chain.lock:
-                await chain.send(fit.new or [])
-                turn = await chain.next_turn()
+            return self._reply(session, chain, messages, tools, turn)
+        finally:
+            chain.pending = None
+            chain.answered.set()
+
+    def _reply(
+        self, session: Session, chain: Chain, messages: list[dict[str, Any]], tools: Any, turn: Any
+    ) -> tuple[dict[str, Any], TurnInfo]:
+        """The reply for the model's turn (kept for a retry of the same request), or the reason there is none."""
         trajectory = chain.trajectory
         if turn is None:
             raise self._no_turn(trajectory)
@@ -283,7 +318,9 @@ class Gateway:
             StopReason.LENGTH,
             StopReason.TOKEN_BUDGET,
         )
-        return message, TurnInfo(length, turn.prompt_tokens, turn.num_generated)
+        chain.last_request = messages
+        chain.last_reply = message, TurnInfo(length, turn.prompt_tokens, turn.num_generated)
+        return chain.last_reply
 
     @staticmethod
     def _no_turn(trajectory: Trajectory) -> RequestError:
@@ -314,6 +351,11 @@ class TurnInfo:
     completion_tokens: int
 
 
+def _json(reply: Any) -> Response:
+    """A reply of the SDK's types, serialized by pydantic-core (as the SDKs send it: fields set, none added)."""
+    return Response(reply.model_dump_json(exclude_unset=True), media_type="application/json")
+
+
 def _event(event: Any) -> str:
     """A typed stream event as a server-sent event, named by its type (Responses', Anthropic's)."""
     return f"event: {event.type}\ndata: {event.model_dump_json(exclude_unset=True)}\n\n"
@@ -341,6 +383,8 @@ class GatewayCollector(Collector):
             "agent_sampling_ignored", "Client sampling fields ignored for the rollout's settings, by field.", "field",
         ),
         "parse_failures": ("agent_parse_failures", "Turns whose tool calls the family's parser could not read.", ""),
+        "repeats": ("agent_repeated_requests", "Requests repeating one in flight or answered (a client's retry).", ""),
+        "disconnects": ("agent_disconnects", "Requests whose client left before its body arrived.", ""),
     }  # fmt: skip
 
     def __init__(self, gateway: Gateway):

@@ -36,6 +36,7 @@ class Fit:
     new: list[dict[str, Any]] | None = None
     cause: ForkCause | None = None
     shared: int = 0  # how many of the chain's messages the request repeats unchanged
+    repeat: bool = False  # the request is the chain's last one again (a client's retry): its reply stands
 
 
 def continues(history: list[dict[str, Any]], messages: list[dict[str, Any]]) -> Fit:
@@ -51,6 +52,11 @@ def continues(history: list[dict[str, Any]], messages: list[dict[str, Any]]) -> 
     if any(message.get("role") == "assistant" for message in new):
         return Fit(cause=ForkCause.WRITTEN_REPLY, shared=shared)
     return Fit(new=list(new), shared=shared)
+
+
+def same(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
+    """Whether two conversations are the same messages."""
+    return len(a) == len(b) and all(key(x) == key(y) for x, y in zip(a, b, strict=True))
 
 
 def key(message: dict[str, Any]) -> tuple[Any, ...]:

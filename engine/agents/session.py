@@ -22,7 +22,7 @@ from typing import Any
 
 import anyio
 
-from engine.agents.history import Fit, ForkCause, continues
+from engine.agents.history import Fit, ForkCause, continues, same
 from engine.envs.base import AsyncInteractionEnv
 from engine.trajectory import Trajectory, Turn
 
@@ -37,6 +37,11 @@ class Chain:
         self.session, self.trajectory, self.tools = session, trajectory, tools
         self.history: list[dict[str, Any]] = list(messages)  # as the agent sent and was sent them
         self.replies = 0  # turns handed to the agent
+        self.last_request: list[dict[str, Any]] | None = None  # the messages of the request last answered
+        self.last_reply: Any = None  # and what it was answered with (the gateway's), for a retry of it
+        self.pending: list[dict[str, Any]] | None = None  # the messages of the request being answered
+        self.answered = anyio.Event()  # set once no request is being answered
+        self.answered.set()
         self.waiting = False  # the env step waits for the agent's next request
         self.lock = anyio.Lock()  # one request at a time on a chain
         self._closed = False
@@ -50,12 +55,14 @@ class Chain:
 
     def fits(self, messages: list[dict[str, Any]], tools: Any) -> Fit:
         """Whether a request continues this chain now."""
+        if tools != self.tools:
+            return Fit(cause=ForkCause.TOOLS_CHANGED)
+        if any(asked is not None and same(asked, messages) for asked in (self.pending, self.last_request)):
+            return Fit(repeat=True, shared=len(messages))
         if self.ended:
             return Fit(cause=ForkCause.ENDED)
         if not self.waiting:
             return Fit(cause=ForkCause.CONCURRENT)
-        if tools != self.tools:
-            return Fit(cause=ForkCause.TOOLS_CHANGED)
         return continues(self.history, messages)
 
     async def next_turn(self) -> Turn | None:
@@ -136,7 +143,7 @@ class Session:
         latest: Fit | None = None
         for chain in reversed(self.chains):
             fit = chain.fits(messages, tools)
-            if fit.new is not None:
+            if fit.new is not None or fit.repeat:
                 return chain, fit
             latest = latest or fit
         return None, latest or Fit()
