@@ -146,6 +146,7 @@ class Trajectory:
     image_data: list[str] = field(default_factory=list)  # rollout side: every image so far, for the backend
     train_inputs: TrainInputBuffer = field(default_factory=TrainInputBuffer)  # training side, merged once
     errors: list[ErrorRecord] = field(default_factory=list)
+    turn_cap: int | None = None  # a tighter cap on the next turns' tokens than the sampling's (an agent's max_tokens)
     group_id: int = 0
     index: int = 0
     reward: float | dict[str, float] | None = None

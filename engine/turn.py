@@ -69,11 +69,13 @@ async def generate_turn(
     """Step 2: one generation request, its tokens appended with loss mask 1.
 
     A turn whose generation was aborted (finish reason `abort`) is continued with what is left of its
-    `max_new_tokens`, not started anew: partial rollout resumes trajectories mid-turn. With `encoder`,
+    `max_new_tokens` (or the trajectory's tighter `turn_cap`), not started anew: partial rollout resumes
+    trajectories mid-turn. With `encoder`,
     a token only its VLM processor writes (`ChatEncoder.vision_token_ids`: an early policy samples one
     now and then) is a BAD_RESPONSE: the turn keeps the tokens before it, and its trajectory ends."""
     turn = _open_turn(trajectory)
-    left = min(sampling.max_new_tokens - turn.num_generated, limits.remaining(trajectory))
+    cap = sampling.max_new_tokens if trajectory.turn_cap is None else min(sampling.max_new_tokens, trajectory.turn_cap)
+    left = min(cap - turn.num_generated, limits.remaining(trajectory))
     if left <= 0:
         raise ValueError(f"trajectory {trajectory.id}: no room left to generate (check out_of_room first)")
     params = sampling if left == sampling.max_new_tokens else replace(sampling, max_new_tokens=left)
@@ -106,7 +108,7 @@ async def generate_turn(
             spec[key] += int(result.meta.get(key) or 0)
     turn.weight_version = result.weight_version
     # SGLang checks aborts before the length cap: an abort can carry the turn's last allowed token
-    aborted_at_cap = result.finish_reason == "abort" and turn.num_generated >= sampling.max_new_tokens
+    aborted_at_cap = result.finish_reason == "abort" and turn.num_generated >= cap
     turn.finish_reason = "length" if aborted_at_cap else result.finish_reason
     if cut is not None:
         raise error

@@ -577,3 +577,23 @@ async def test_a_client_that_gives_up_and_retries_gets_the_one_reply_of_one_chai
     assert len(backend.requests) == 1 and len(chains) == 1 and session.forks == {}
     assert gateway.counts["repeats"] == 2
     assert_sampled_exactly(chains[0], turns[:1])
+
+
+@pytest.mark.anyio
+async def test_a_clients_max_tokens_caps_its_turn_and_the_rollouts_cap_still_holds(encoder):
+    long = sampled(encoder, "It is sunny in Paris, with a light wind from the west.")
+    gateway, backend = gateway_over(encoder, [long, long])
+    async with gateway.serving():
+        session = gateway.open_session()
+        agent = client(gateway, session)
+        short = await agent.chat.completions.create(model="policy", messages=PROMPT, max_completion_tokens=4)
+        assert short.choices[0].finish_reason == "length" and short.usage.completion_tokens == 4
+        messages = [
+            *PROMPT,
+            short.choices[0].message.model_dump(exclude_none=True),
+            {"role": "user", "content": "More."},
+        ]
+        await agent.chat.completions.create(model="policy", messages=messages, max_tokens=100_000)
+        (trajectory,) = await gateway.finish(session.id)
+    assert [r.sampling_params.max_new_tokens for r in backend.requests] == [4, 256]  # the rollout's 256 rules above
+    assert_sampled_exactly(trajectory, [long[:4], long])

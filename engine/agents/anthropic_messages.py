@@ -58,6 +58,10 @@ class MessagesRequest(BaseModel):
     top_p: float | None = None
     top_k: int | None = None
 
+    @property
+    def turn_cap(self) -> int:
+        return self.max_tokens
+
     def sampling_asked(self) -> list[str]:
         return [name for name in IGNORED if getattr(self, name) is not None]
 

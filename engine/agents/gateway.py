@@ -198,7 +198,7 @@ class Gateway:
             session = self._session(request)
             body = api.read_request(await request.body(), client_sampling=self.client_sampling)
             self._count_sampling(body.sampling_asked())
-            message, info = await self._turn(session, body.chat_messages(), body.chat_tools())
+            message, info = await self._turn(session, body.chat_messages(), body.chat_tools(), body.turn_cap)
         except RequestError as error:
             self.counts[f"bad_requests:{error.status}"] += 1
             return JSONResponse(api.error_body(error), status_code=error.status)
@@ -257,9 +257,14 @@ class Gateway:
 
     # -- one turn --------------------------------------------------------------------------------------------
     async def _turn(
-        self, session: Session, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+        self,
+        session: Session,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        cap: int | None = None,
     ) -> tuple[dict[str, Any], TurnInfo]:
-        """Route the request to its chain (or fork a new one), wait for the model's turn, and make the reply."""
+        """Route the request to its chain (or fork a new one), wait for the model's turn (at most `cap` tokens,
+        and the rollout's own cap), and make the reply."""
         if session.closed:
             raise RequestError(f"session {session.id} is finished", status=409)
         if self.scheduler.encoder.processor is None and images_of(messages):
@@ -281,6 +286,7 @@ class Gateway:
                 self.counts[f"forks:{cause}"] += 1
             chain = session.start(messages, tools, cause)
         chain.pending, chain.answered = messages, anyio.Event()
+        chain.trajectory.turn_cap = cap
         try:
             async with chain.lock:
                 if fit.new is None:  # a new chain: its first turn

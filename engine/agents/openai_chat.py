@@ -73,7 +73,7 @@ class ChatRequest(BaseModel):
         return [_with_images(message) for message in self.messages]
 
     @property
-    def cap(self) -> int | None:
+    def turn_cap(self) -> int | None:
         """The client's per-reply token cap (max_completion_tokens, else the deprecated max_tokens)."""
         return self.max_completion_tokens or self.max_tokens
 

@@ -64,6 +64,10 @@ class ResponsesRequest(BaseModel):
     previous_response_id: str | None = None
     stream: bool = False
 
+    @property
+    def turn_cap(self) -> int | None:
+        return self.max_output_tokens
+
     def sampling_asked(self) -> list[str]:
         extra = self.model_extra or {}
         return [name for name in (*IGNORED, "reasoning") if extra.get(name) is not None]
