@@ -597,3 +597,24 @@ async def test_a_clients_max_tokens_caps_its_turn_and_the_rollouts_cap_still_hol
         (trajectory,) = await gateway.finish(session.id)
     assert [r.sampling_params.max_new_tokens for r in backend.requests] == [4, 256]  # the rollout's 256 rules above
     assert_sampled_exactly(trajectory, [long[:4], long])
+
+
+@pytest.mark.anyio
+async def test_a_client_that_leaves_mid_stream_ends_nothing_and_its_retry_gets_the_reply(encoder):
+    turns = [sampled(encoder, "<think>\nThinking.\n</think>\n\n" + CALL)]
+    gateway, backend = gateway_over(encoder, list(turns))
+    async with gateway.serving():
+        session = gateway.open_session()
+        body = {"model": "policy", "messages": PROMPT, "tools": TOOLS, "stream": True}
+        async with (
+            httpx2.AsyncClient(base_url=gateway.base_url(session), timeout=60) as http,
+            http.stream("POST", "/chat/completions", json=body) as stream,
+        ):
+            async for line in stream.aiter_lines():
+                if line.startswith("data: "):
+                    break  # the first event read, then the connection closed under the rest
+        again = await client(gateway, session).chat.completions.create(model="policy", messages=PROMPT, tools=TOOLS)
+        (trajectory,) = await gateway.finish(session.id)
+    assert again.choices[0].message.tool_calls[0].function.name == "get_weather"
+    assert len(backend.requests) == 1 and gateway.counts["repeats"] == 1  # the one turn, sent again
+    assert trajectory.status == Status.COMPLETED and session.forks == {}
