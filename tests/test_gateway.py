@@ -80,6 +80,13 @@ async def closes_clients():
         await OPEN_CLIENTS.pop().close()
 
 
+def answered(asked: list[dict], choice, result: str = "Sunny, 24 C.") -> list[dict]:
+    """What an agent sends next: its conversation, the reply as the SDK parsed it, its tool's result."""
+    call = choice.message.tool_calls[0]
+    tool = {"role": "tool", "tool_call_id": call.id, "content": result}
+    return [*asked, choice.message.model_dump(exclude_none=True), tool]
+
+
 def assert_sampled_exactly(trajectory, turns: list[list[int]]) -> None:
     """The response holds each sampled turn as sampled, mask 1 and its log-probs exactly there."""
     trajectory.check_invariant()
@@ -102,12 +109,7 @@ async def test_a_tool_calling_session_through_the_openai_sdk(encoder):
         assert choice.finish_reason == "tool_calls" and choice.message.content is None
         (call,) = choice.message.tool_calls
         assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
-        # the agent runs its tool and sends the conversation back, its reply as the SDK parsed it
-        messages = [
-            *PROMPT,
-            choice.message.model_dump(exclude_none=True),
-            {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 24 C."},
-        ]
+        messages = answered(PROMPT, choice)  # the agent runs its tool and sends the conversation back
         second = await agent.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
         assert second.choices[0].message.content == "It is sunny in Paris."
         assert second.choices[0].finish_reason == "stop"
@@ -247,12 +249,7 @@ async def test_a_request_during_a_weight_update_is_held_and_answered_on_the_new_
         session = gateway.open_session()
         agent = client(gateway, session)
         first = (await agent.chat.completions.create(model="policy", messages=PROMPT, tools=TOOLS)).choices[0]
-        call = first.message.tool_calls[0]
-        messages = [
-            *PROMPT,
-            first.message.model_dump(exclude_none=True),
-            {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 24 C."},
-        ]
+        messages = answered(PROMPT, first)
         await scheduler.pause_generation()  # the trainer updates the weights
         backend.weight_version_ = "v1"
         replies = []
@@ -415,11 +412,8 @@ async def test_images_reach_the_model_and_the_trainer(processor):
         session = gateway.open_session()
         agent = client(gateway, session)
         first = (await agent.chat.completions.create(model="policy", messages=first_ask, tools=TOOLS)).choices[0]
-        call = first.message.tool_calls[0]
         later = [
-            *first_ask,
-            first.message.model_dump(exclude_none=True),
-            {"role": "tool", "tool_call_id": call.id, "content": "Sunny."},
+            *answered(first_ask, first, "Sunny."),
             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": blue}},
                                          {"type": "text", "text": "And this?"}]},
         ]  # fmt: skip
@@ -448,8 +442,7 @@ async def test_a_session_past_the_staleness_bound_ends_stale_and_is_never_regene
         await scheduler.pause_generation()
         backend.weight_version_ = "v1"
         scheduler.resume_generation("v1")
-        tool = {"role": "tool", "tool_call_id": first.message.tool_calls[0].id, "content": "Sunny."}
-        messages = [*PROMPT, first.message.model_dump(exclude_none=True), tool]
+        messages = answered(PROMPT, first)
         with pytest.raises(openai.ConflictError, match="chain ended stale: its tokens span more weight versions"):
             await agent.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
         (trajectory,) = await gateway.finish(session.id)
