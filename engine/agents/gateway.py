@@ -163,8 +163,7 @@ class Gateway:
             self._tasks = None
             sock.close()
 
-    async def _drive(self, chain: Chain) -> None:
-        done = self._drives[chain.trajectory.id] = anyio.Event()
+    async def _drive(self, chain: Chain, done: anyio.Event) -> None:
         try:
             env = EnvRunner(SessionEnv(chain), step_timeout=self.idle_timeout_s, name="agent_session")
             await self.scheduler.drive(chain.trajectory, lambda: env)
@@ -289,8 +288,9 @@ class Gateway:
         chain.trajectory.turn_cap = cap
         try:
             async with chain.lock:
-                if fit.new is None:  # a new chain: its first turn
-                    self._tasks.start_soon(self._drive, chain)
+                if fit.new is None:  # a new chain: its first turn (finish waits for `done` from now on)
+                    done = self._drives[chain.trajectory.id] = anyio.Event()
+                    self._tasks.start_soon(self._drive, chain, done)
                 else:
                     await chain.send(fit.new)
                 turn = await chain.next_turn()
