@@ -138,8 +138,9 @@ class ChatEncoder:
         self.vision_token_ids = self._find_vision_tokens()
         self.generation_prompt = self._find_generation_prompt()
         self._arguments_as_text = self._takes_arguments_as_text()
-        self._sampled_ends = frozenset(self._ids(self.family.stop_tokens)) if self.family is not None else frozenset()
-        ends = self._ids(self.family.stop_tokens) if self.family is not None else [self.end_of_turn_id]
+        sampled = self._ids(self.family.stop_tokens) if self.family is not None else []
+        self._sampled_ends = frozenset(sampled)
+        ends = sampled if self.family is not None else [self.end_of_turn_id]
         self._stop_ids = tuple(dict.fromkeys(t for t in (*ends, self.tokenizer.eos_token_id) if t is not None))
 
     # -- public ---------------------------------------------------------------------------------------
@@ -255,7 +256,7 @@ class ChatEncoder:
         several: the results of parallel tool calls, a tool result and a user message), the next generation
         prompt."""
         messages = _as_messages(message)
-        text = self.render([*self._dummy_for(*messages), *messages], add_generation_prompt=True)
+        text = self._render_after_dummy(messages)
         prefix, _ = self._prefix_for(messages[0])
         if not text.startswith(prefix):  # the template renders the dummy turns differently for these messages
             prefix = text[: self._cut(text)[0]]
@@ -321,7 +322,7 @@ class ChatEncoder:
         tool message the first call), its id as the model wrote it, else the family's for the conversation's
         call number (`calls_before` calls answered before this turn). Other messages, a turn without a
         well-formed call and messages past its calls are returned as they are, in the observation's shape."""
-        messages = [observation] if isinstance(observation, dict) else list(observation)
+        messages = _as_messages(observation)
         unnamed = any(m.get("role") == "tool" and not (m.get("tool_call_id") and m.get("name")) for m in messages)
         if self.family is None or not unnamed:
             return observation
@@ -526,33 +527,35 @@ class ChatEncoder:
         it (its own fields, a stand-in content: templates check fields such as a tool call's id)."""
         key = (message.get("role", "user"), str(message.get("name", "")) if message.get("role") == "tool" else "")
         if key not in self._prefix:
-            probe = {**message, "content": "x"}
-            text = self.render([*self._dummy_for(message), probe], add_generation_prompt=True)
+            text = self._render_after_dummy([{**message, "content": "x"}])
             cut, token = self._cut(text)
             self._prefix[key] = text[:cut], self.tokenizer.convert_tokens_to_ids(token)
         return self._prefix[key]
 
-    def _dummy_for(self, *messages: dict[str, Any]) -> tuple[dict[str, Any], ...]:
-        """The dummy conversation before an observation. Before tool messages of a known family, its
-        assistant makes the calls they answer (structured `tool_calls`, one per leading tool message, the
-        sentinel as an argument), as templates that name the call in the tool's header (harmony) or refuse a
-        tool message without a call need; where the template does not write such calls, the plain dummy."""
+    def _render_after_dummy(self, messages: list[dict[str, Any]]) -> str:
+        """The dummy conversation, then `messages`, rendered with the generation prompt. Before tool messages of
+        a known family, the dummy assistant makes the calls they answer (structured `tool_calls`, one per
+        leading tool message, the sentinel as an argument), as templates that name the call in the tool's
+        header (harmony) or refuse a tool message without a call need; where the template does not write such
+        calls (it raises on them, or leaves the sentinel out), after the plain dummy."""
         answers = list(itertools.takewhile(lambda m: m.get("role") == "tool", messages))
-        if not answers or self.family is None:
-            return self._dummy
-        calls = [
-            self.tool_call(
-                str(m.get("tool_call_id") or f"call{i:05d}"), str(m.get("name") or "tool"), {"x": ASSISTANT_SENTINEL}
-            )
-            for i, m in enumerate(answers)
-        ]
-        dummy = (*self._dummy[:-1], {"role": "assistant", "content": "", "tool_calls": calls})
-        try:
-            probes = [{**m, "content": "x"} for m in answers]
-            rendered = self.render([*dummy, *probes], add_generation_prompt=True)
-        except Exception:  # noqa: BLE001 -- a template without structured tool calls: the plain dummy
-            return self._dummy
-        return dummy if ASSISTANT_SENTINEL in rendered else self._dummy
+        if answers and self.family is not None:
+            calls = [
+                self.tool_call(
+                    str(m.get("tool_call_id") or f"call{i:05d}"),
+                    str(m.get("name") or "tool"),
+                    {"x": ASSISTANT_SENTINEL},
+                )
+                for i, m in enumerate(answers)
+            ]
+            dummy = (*self._dummy[:-1], {"role": "assistant", "content": "", "tool_calls": calls})
+            try:
+                text = self.render([*dummy, *messages], add_generation_prompt=True)
+            except Exception:  # noqa: BLE001 -- a template without structured tool calls: the plain dummy
+                text = ""
+            if ASSISTANT_SENTINEL in text:
+                return text
+        return self.render([*self._dummy, *messages], add_generation_prompt=True)
 
     def _cut(self, text: str) -> tuple[int, str]:
         """Index just past the dummy assistant's end-of-turn token in a rendered dummy conversation (the first

@@ -35,23 +35,19 @@ class Fit:
 
     new: list[dict[str, Any]] | None = None
     cause: ForkCause | None = None
-    shared: int = 0  # how many of the chain's messages the request repeats unchanged
     repeat: bool = False  # the request is the chain's last one again (a client's retry): its reply stands
 
 
 def continues(history: list[dict[str, Any]], messages: list[dict[str, Any]]) -> Fit:
     """Whether `messages` are `history` followed by new messages that are no assistant's (the observation)."""
-    shared = 0
-    for had, sent in zip(history, messages, strict=False):
-        if key(had) != key(sent):
-            return Fit(cause=ForkCause.EDITED, shared=shared)
-        shared += 1
+    if any(key(had) != key(sent) for had, sent in zip(history, messages, strict=False)):
+        return Fit(cause=ForkCause.EDITED)
     if len(messages) <= len(history):
-        return Fit(cause=ForkCause.SHORTER, shared=shared)
+        return Fit(cause=ForkCause.SHORTER)
     new = messages[len(history) :]
     if any(message.get("role") == "assistant" for message in new):
-        return Fit(cause=ForkCause.WRITTEN_REPLY, shared=shared)
-    return Fit(new=list(new), shared=shared)
+        return Fit(cause=ForkCause.WRITTEN_REPLY)
+    return Fit(new=list(new))
 
 
 def same(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:

@@ -44,7 +44,7 @@ from openai.types.responses.response_reasoning_item import Content
 from openai.types.responses.response_usage import InputTokensDetails, OutputTokensDetails
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.agents.openai_chat import IGNORED
+from engine.agents.openai_chat import IGNORED, error_body  # noqa: F401 -- OpenAI's error format, for the gateway
 from engine.agents.request import RequestError, check_policy_rules, validated
 
 ROLES = ("system", "developer", "user", "assistant")
@@ -130,10 +130,6 @@ def read_request(body: bytes, *, client_sampling: Literal["ignore", "refuse"] = 
         )
     check_policy_rules(request.tool_choice, request.sampling_asked(), client_sampling)
     return request
-
-
-def error_body(error: RequestError) -> dict[str, Any]:
-    return error.body()
 
 
 def _gather(turn: dict[str, Any], item: dict[str, Any], kind: str, where: str) -> None:

@@ -58,7 +58,7 @@ class Chain:
         if tools != self.tools:
             return Fit(cause=ForkCause.TOOLS_CHANGED)
         if any(asked is not None and same(asked, messages) for asked in (self.pending, self.last_request)):
-            return Fit(repeat=True, shared=len(messages))
+            return Fit(repeat=True)
         if self.ended:
             return Fit(cause=ForkCause.ENDED)
         if not self.waiting:

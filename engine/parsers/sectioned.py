@@ -31,6 +31,14 @@ class SectionedParser(ThinkingParser):
     call: tuple[str, str]
     separator: str
 
+    @property
+    def delimiters(self) -> tuple[str, ...]:
+        return (*self.section, *self.call, self.separator, THINK_OPEN, THINK_CLOSE)
+
+    @property
+    def call_opener(self) -> str:
+        return self.section[0]  # a call opens its section
+
     def split_calls(self, text: str, tools: list[dict]) -> tuple[str, list[ToolCallText]]:
         content, sections = tagged_blocks(text, *self.section)
         if any(marker in content for marker in (*self.call, self.separator)):
@@ -77,8 +85,6 @@ class KimiK2Parser(SectionedParser):
     section = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>")
     call = ("<|tool_call_begin|>", "<|tool_call_end|>")
     separator = "<|tool_call_argument_begin|>"
-    delimiters = (*section, *call, separator, THINK_OPEN, THINK_CLOSE)
-    call_opener = section[0]
 
     def head(self, name: str, index: int) -> str:
         return f"functions.{name}:{index}"
@@ -96,8 +102,6 @@ class DeepSeekV31Parser(SectionedParser):
     section = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")
     call = ("<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>")
     separator = "<｜tool▁sep｜>"
-    delimiters = (*section, *call, separator, THINK_OPEN, THINK_CLOSE)
-    call_opener = section[0]
 
     def head(self, name: str, index: int) -> str:
         return name
