@@ -209,6 +209,18 @@ class EngineConfig(BaseModel):
     this process's host:port (its node's address where metrics_host is 0.0.0.0), so Prometheus finds it on
     whichever node it runs (deploy/prometheus.yml)."""
 
+    # -- agent envs (engine/agents/env.py) -----------------------------------------------------------
+    agent_host: str = "127.0.0.1"
+    """Address the session gateway of agent envs binds (served from the first agent env built)."""
+    agent_port: Annotated[int, Field(ge=0, le=65535)] = 0
+    """Its port (0: any free port)."""
+    agent_public_url: str | None = None
+    """The gateway's address as the agents reach it (default http://agent_host:port): set it where agents run
+    elsewhere (a container, another node)."""
+    agent_client_sampling: Literal["ignore", "refuse"] = "ignore"
+    """An agent's temperature, top_p, seed and the like: ignored and counted, or refused with a 400 naming them;
+    the rollout's sampling settings rule either way."""
+
     # -- the process ----------------------------------------------------------------------------------
     gc_freeze: bool = True
     """When the process's first engine starts: collect garbage, then gc.freeze() what is alive (the modules

@@ -15,6 +15,7 @@ the step's tail (fewer trajectories live than generation slots) starts up to `ta
 
 from __future__ import annotations
 
+import functools
 import gc
 import itertools
 import logging
@@ -47,6 +48,7 @@ from engine.trajectory import Group, Status, StopReason, Trajectory
 from engine.turn import record_failure
 
 if TYPE_CHECKING:
+    from engine.agents.env import AgentHost
     from engine.metrics.prometheus import MetricsExporter
 
 log = logging.getLogger(__name__)
@@ -398,7 +400,7 @@ class RolloutEngine:
     async def _run(self, group: Group, trajectory: Trajectory) -> None:
         sample = EnvSample.from_row(group.row, index=trajectory.index, group_index=group.group_id)
         try:
-            await self.scheduler.drive(trajectory, partial(self._build_env, sample))
+            await self.scheduler.drive(trajectory, partial(self._build_env, sample, trajectory))
             await self._maybe_check_drift(trajectory)
         finally:
             self._num_inflight -= 1
@@ -411,12 +413,32 @@ class RolloutEngine:
                 self._fail_group(group, InternalError.of(exc, f"finishing group {group.group_id}"))
         self._changed.notify()
 
-    async def _build_env(self, sample: Any) -> EnvRunner:
+    async def _build_env(self, sample: Any, trajectory: Trajectory) -> EnvRunner:
         """The env of one trajectory; a factory that may block (a user's `build_env`, which often creates a
-        remote sandbox) builds it in a worker thread."""
+        remote sandbox) builds it in a worker thread. An agent env (engine/agents/env.py) runs its agent
+        against a session of the engine's gateway, whose main chain `trajectory` is."""
         if getattr(self.env_factory, "blocking", False):
-            return await anyio.to_thread.run_sync(self.env_factory, sample)
-        return self.env_factory(sample)
+            runner = await anyio.to_thread.run_sync(self.env_factory, sample)
+        else:
+            runner = self.env_factory(sample)
+        if getattr(runner.env, "is_agent", False):
+            runner = self.agents.runner(runner.env, trajectory, sample, runner.name)
+        return runner
+
+    @functools.cached_property
+    def agents(self) -> AgentHost:
+        """The session gateway agent envs run their agents against (served once an agent env is built)."""
+        from engine.agents.env import AgentHost
+
+        config = self.config
+        host = AgentHost(
+            self.scheduler, host=config.agent_host, port=config.agent_port, public_url=config.agent_public_url,
+            client_sampling=config.agent_client_sampling,
+        )  # fmt: skip
+        host.attach(self._tasks)
+        if self.exporter is not None:  # the gateway's series beside the engine's, on the engine's /metrics
+            self.exporter.registry.register(host.gateway.collector)
+        return host
 
     async def run_one(
         self, trajectory: Trajectory, sample: Any, sampling: SamplingParams | None = None, *, end_on_abort: bool = True
@@ -432,7 +454,11 @@ class RolloutEngine:
         async def run() -> None:
             try:
                 await self.scheduler.drive(
-                    trajectory, partial(self._build_env, sample), sampling, score=False, end_on_abort=end_on_abort
+                    trajectory,
+                    partial(self._build_env, sample, trajectory),
+                    sampling,
+                    score=False,
+                    end_on_abort=end_on_abort,
                 )
             finally:
                 self._num_inflight -= 1

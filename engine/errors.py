@@ -33,6 +33,9 @@ class ErrorClass(StrEnum):
     ENV_EXCEPTION = "env_exception"
     ENV_RETRYABLE = "env_retryable"  # the env said so (raised EnvRetryableError)
     ENV_WORKER_LOST = "env_worker_lost"  # the env worker process holding the env died (engine/envs/ray_workers.py)
+    # an agent program (engine/agents/env.py) crashed, hung past its deadline, or exited before its first request:
+    # retried (a fresh agent) only before its first request, as afterwards the agent has seen the session's turns
+    AGENT = "agent"
     # encoding of an observation (an image that does not decode, a template that fails)
     BAD_OBSERVATION = "bad_observation"
     BAD_PROMPT = "bad_prompt"  # a prompt row the template or the processor cannot encode
@@ -72,6 +75,7 @@ _STAGE_OF_CLASS = {
     ErrorClass.BAD_OBSERVATION: Stage.ENCODE,
     ErrorClass.BAD_PROMPT: Stage.ENCODE,
     ErrorClass.BAD_RESPONSE: Stage.ENCODE,
+    ErrorClass.AGENT: Stage.ENV,
     ErrorClass.REWARD: Stage.REWARD,
     ErrorClass.JUDGE: Stage.REWARD,
     ErrorClass.FILTER: Stage.FILTER,

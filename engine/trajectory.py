@@ -154,6 +154,7 @@ class Trajectory:
     id: int = field(default_factory=lambda: next(_ids))
     session_id: str = field(default_factory=lambda: uuid.uuid4().hex)  # routes every turn to one server
     sample: Any = None  # what the consumer made of it once ended (the bridge's slime Sample)
+    forks: list[Trajectory] = field(default_factory=list)  # chains its agent's session forked off it (engine/agents)
 
     # -- building ---------------------------------------------------------------------------------
     def set_prompt(self, token_ids: Sequence[int]) -> None:

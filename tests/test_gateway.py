@@ -22,18 +22,9 @@ from engine.scheduler.retry import CircuitBreaker, RetryPolicy
 from engine.scheduler.scheduler import Scheduler
 from engine.trajectory import Status, StopReason
 from engine.turn import TurnLimits
+from tests.agents.program import TOOLS
 from tests.fakes import ScriptedBackend
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "The weather in a city.",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-        },
-    }
-]
 PROMPT = [
     {"role": "system", "content": "You answer questions about the weather."},
     {"role": "user", "content": "How is the weather in Paris?"},
@@ -292,6 +283,37 @@ async def test_an_openai_agents_sdk_agent_with_a_function_tool_runs_as_one_sessi
         chains = await gateway.finish(session.id)
     assert seen == ["Paris"] and result.final_output == "It is sunny in Paris."
     assert len(chains) == 1 and len(chains[0].turns) == 2  # the SDK sent its history back unchanged: no fork
+    assert chains[0].status == Status.COMPLETED
+    assert_sampled_exactly(chains[0], turns)
+
+
+@pytest.mark.anyio
+async def test_a_langgraph_react_agent_runs_as_one_session(encoder):
+    """LangGraph's prebuilt ReAct agent on langchain-openai's ChatOpenAI, unmodified, at the session's base URL."""
+    prebuilt = pytest.importorskip("langgraph.prebuilt", reason="LangGraph (langgraph) is a dev dependency")
+    langchain_openai = pytest.importorskip("langchain_openai", reason="langchain-openai is a dev dependency")
+    from langchain_core.tools import tool
+
+    seen = []
+
+    @tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        seen.append(city)
+        return "Sunny, 24 C."
+
+    turns = [sampled(encoder, CALL), sampled(encoder, "It is sunny in Paris.")]
+    gateway, _ = gateway_over(encoder, list(turns))
+    async with gateway.serving():
+        session = gateway.open_session()
+        model = langchain_openai.ChatOpenAI(
+            model="policy", base_url=gateway.base_url(session), api_key="unused", max_retries=0
+        )
+        agent = prebuilt.create_react_agent(model, [get_weather], prompt=PROMPT[0]["content"])
+        state = await agent.ainvoke({"messages": [("user", PROMPT[1]["content"])]})
+        chains = await gateway.finish(session.id)
+    assert seen == ["Paris"] and state["messages"][-1].content == "It is sunny in Paris."
+    assert len(chains) == 1 and len(chains[0].turns) == 2  # LangGraph sent its history back as sent: no fork
     assert chains[0].status == Status.COMPLETED
     assert_sampled_exactly(chains[0], turns)
 

@@ -87,9 +87,9 @@ class Gateway:
         self.url: str | None = None
         self._public_url: str | None = None
         self._tasks: anyio.abc.TaskGroup | None = None
-        self._drives: dict[int, anyio.Event] = {}  # trajectory id -> set when its drive ended
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(GatewayCollector(self))
+        self.collector = GatewayCollector(self)
+        self.registry.register(self.collector)
         self.app = Starlette(
             routes=[
                 Route("/sessions/{session_id}/v1/chat/completions", self._chat_completions, methods=["POST"]),
@@ -100,12 +100,17 @@ class Gateway:
         )
 
     # -- sessions ----------------------------------------------------------------------------------------
-    def open_session(self, session_id: str | None = None, metadata: dict[str, Any] | None = None) -> Session:
-        """A new session (its id a fresh one unless given); requests to an id never opened are refused."""
+    def open_session(
+        self, session_id: str | None = None, metadata: dict[str, Any] | None = None, *, main: Trajectory | None = None
+    ) -> Session:
+        """A new session (its id a fresh one unless given); requests to an id never opened are refused. With
+        `main`, the session's first chain is that trajectory, driven by its caller (an agent env's, whose env
+        gives it its prompt: engine/agents/env.py) rather than by the gateway; `session.main_started` is set
+        when the first request has made it."""
         session_id = session_id or uuid.uuid4().hex
         if session_id in self.sessions:
             raise ValueError(f"session {session_id} is open already")
-        session = self.sessions[session_id] = Session(session_id, dict(metadata or {}))
+        session = self.sessions[session_id] = Session(session_id, dict(metadata or {}), main=main)
         return session
 
     def base_url(self, session: Session, api: Literal["openai", "anthropic"] = "openai") -> str:
@@ -118,13 +123,18 @@ class Gateway:
 
     async def finish(self, session_id: str) -> list[Trajectory]:
         """End the session: each chain's pending env step ends it (env done); its trajectories, once ended."""
-        session = self.sessions.pop(session_id)
+        return await self.finish_session(self.sessions[session_id])
+
+    async def finish_session(self, session: Session) -> list[Trajectory]:
+        """`finish` for a session (finished already or not: the same trajectories). The chains the gateway drives
+        are waited for; a `main` chain is its caller's."""
+        self.sessions.pop(session.id, None)
         session.closed = True
         for chain in session.chains:
             await chain.end()
         for chain in session.chains:
-            await self._drives[chain.trajectory.id].wait()
-            del self._drives[chain.trajectory.id]
+            if chain.drive_ended is not None:
+                await chain.drive_ended.wait()
         return [chain.trajectory for chain in session.chains]
 
     # -- serving -----------------------------------------------------------------------------------------
@@ -166,7 +176,8 @@ class Gateway:
     async def _drive(self, chain: Chain, done: anyio.Event) -> None:
         try:
             env = EnvRunner(SessionEnv(chain), step_timeout=self.idle_timeout_s, name="agent_session")
-            await self.scheduler.drive(chain.trajectory, lambda: env)
+            # a fork of an agent env's session is kept beside its sample, not scored as one
+            await self.scheduler.drive(chain.trajectory, lambda: env, score=chain.session.main is None)
         finally:
             done.set()
             chain.turn_ended()  # a request still waiting learns that the chain ended
@@ -284,13 +295,16 @@ class Gateway:
             if cause is not None:
                 self.counts[f"forks:{cause}"] += 1
             chain = session.start(messages, tools, cause)
+            if chain.trajectory is not session.main:  # the gateway drives it (finish waits for it from now on)
+                chain.drive_ended = anyio.Event()
         chain.pending, chain.answered = messages, anyio.Event()
         chain.trajectory.turn_cap = cap
         try:
             async with chain.lock:
-                if fit.new is None:  # a new chain: its first turn (finish waits for `done` from now on)
-                    done = self._drives[chain.trajectory.id] = anyio.Event()
-                    self._tasks.start_soon(self._drive, chain, done)
+                if fit.new is None and chain.drive_ended is not None:  # a new chain: its first turn
+                    self._tasks.start_soon(self._drive, chain, chain.drive_ended)
+                elif fit.new is None:  # the session's main chain: its caller's env takes the prompt from here
+                    session.main_started.set()
                 else:
                     await chain.send(fit.new)
                 turn = await chain.next_turn()
@@ -391,6 +405,7 @@ class GatewayCollector(Collector):
         "parse_failures": ("agent_parse_failures", "Turns whose tool calls the family's parser could not read.", ""),
         "repeats": ("agent_repeated_requests", "Requests repeating one in flight or answered (a client's retry).", ""),
         "disconnects": ("agent_disconnects", "Requests whose client left before its body arrived.", ""),
+        "agent_exits": ("agent_exits", "Agent programs of agent envs ended, by outcome.", "outcome"),
     }  # fmt: skip
 
     def __init__(self, gateway: Gateway):

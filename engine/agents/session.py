@@ -44,6 +44,7 @@ class Chain:
         self.answered.set()
         self.waiting = False  # the env step waits for the agent's next request
         self.lock = anyio.Lock()  # one request at a time on a chain
+        self.drive_ended: anyio.Event | None = None  # set when the gateway's drive of it ended (None: not its own)
         self._closed = False
         self._turn_ready = anyio.Event()
         self._next: anyio.abc.ObjectSendStream[list[dict[str, Any]] | None]
@@ -137,6 +138,8 @@ class Session:
     forks: dict[ForkCause, int] = field(default_factory=dict)
     calls: int = 0  # tool calls handed out so far (ids for calls the model wrote without one)
     closed: bool = False
+    main: Trajectory | None = None  # the first chain's trajectory when its caller drives it (an agent env's)
+    main_started: anyio.Event = field(default_factory=anyio.Event)  # the first request made the main chain
 
     def route(self, messages: list[dict[str, Any]], tools: Any) -> tuple[Chain | None, Fit]:
         """The chain a request continues (latest first) and its fit; else (None, the latest chain's fit)."""
@@ -149,14 +152,21 @@ class Session:
         return None, latest or Fit()
 
     def start(self, messages: list[dict[str, Any]], tools: Any, cause: ForkCause | None) -> Chain:
-        """A new chain whose prompt is `messages` (a fork of the session when `cause` says why)."""
+        """A new chain whose prompt is `messages` (a fork of the session when `cause` says why); the first one
+        is the `main` trajectory where the session has one (its env gives it the prompt)."""
         metadata = {"session_id": self.id, "chain": len(self.chains), **self.metadata}
         if tools:
             metadata["tools"] = tools
         if cause is not None:
             self.forks[cause] = self.forks.get(cause, 0) + 1
             metadata["fork_cause"] = str(cause)
-        trajectory = Trajectory(prompt=list(messages), metadata=metadata, group_id=next(_ids))
+        if self.main is not None and not self.chains:
+            trajectory = self.main
+            trajectory.metadata.update(metadata)
+        else:
+            trajectory = Trajectory(prompt=list(messages), metadata=metadata, group_id=next(_ids))
+            if self.main is not None:
+                self.main.forks.append(trajectory)
         chain = Chain(self, trajectory, messages, tools)
         self.chains.append(chain)
         return chain

@@ -46,6 +46,9 @@ class BaseInteractionEnv:
     # Set False when the trajectory may not run again from its prompt once too stale, because something
     # outside saw its earlier turns (an agent program): it then ends STALE instead (on_stale="finish").
     restartable: bool = True
+    # Set True when the prompt is the env's to give, not the prompt row's (an agent program's first request):
+    # `reset` then returns `{"prompt": messages, "tools": tools or None}`, and the trajectory's prompt is that.
+    gives_prompt: bool = False
 
     def reset(self) -> tuple[dict[str, Any], dict[str, Any]]:
         raise NotImplementedError
@@ -135,6 +138,10 @@ class EnvRunner:
     @property
     def restartable(self) -> bool:
         return bool(getattr(self.env, "restartable", True))
+
+    @property
+    def gives_prompt(self) -> bool:
+        return bool(getattr(self.env, "gives_prompt", False))
 
     @property
     def is_busy(self) -> bool:

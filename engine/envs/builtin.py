@@ -15,6 +15,7 @@ BUILTIN_ENVS: dict[str, str] = {
     "python_tool": "engine.envs.python_tool",
     "judge": "engine.envs.judge",
     "geometry": "engine.envs.geometry",
+    "python_agent": "engine.envs.python_agent",  # an agent program (the OpenAI Agents SDK) on python_tool's tasks
 }
 
 

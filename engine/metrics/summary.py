@@ -87,6 +87,9 @@ def _multi_turn(samples: list, clock: VersionClock) -> dict[str, Any]:
         retries.update(trajectory.metadata.get("retries", {}))
     for error_class, n in retries.items():
         out[f"multi_turn/retries/{error_class}"] = n
+    if forks := [fork for t in samples for fork in t.forks]:  # chains an agent's session forked (engine/agents)
+        out["multi_turn/agent/forks"] = len(forks)
+        out["multi_turn/agent/fork_tokens_untrained"] = sum(fork.num_generated for fork in forks)
     later = [turn for t in samples for turn in t.turns[1:]]  # a later turn re-sends the whole conversation
     if prompt := sum(turn.prompt_tokens for turn in later):
         out["multi_turn/prefix_cache/later_turns_hit_rate"] = sum(turn.cached_tokens for turn in later) / prompt

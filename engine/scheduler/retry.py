@@ -34,6 +34,7 @@ DEFAULT_PER_TURN = {
     ErrorClass.ENV_EXCEPTION: 1,
     ErrorClass.ENV_RETRYABLE: 3,
     ErrorClass.ENV_WORKER_LOST: 2,  # the env's worker process died: a replay_safe env is rebuilt elsewhere
+    ErrorClass.AGENT: 1,  # an agent that failed before its first request starts once more
     ErrorClass.BAD_OBSERVATION: 0,
     ErrorClass.REWARD: 2,
 }

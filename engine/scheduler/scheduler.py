@@ -192,9 +192,11 @@ class Scheduler:
         ends with. Ending too stale, it runs again from the prompt (`on_stale="restart"`, within
         `max_restarts`) or ends STALE."""
         skip_special = sampling.skip_special_tokens  # the env reads the model's turn as SGLang's `text` has it
+        first = await self._env_call(trajectory, budget, env, _reset, encoder=encoder, skip_special=skip_special)
+        if env.runner is not None and env.runner.gives_prompt:  # the env's prompt (an agent's first request)
+            encoder = self._take_prompt(trajectory, first)
         await encode_prompt(trajectory, encoder)  # 1
         trajectory.transition(Status.RUNNING)
-        await self._env_call(trajectory, budget, env, _reset, encoder=encoder, skip_special=skip_special)
         step = partial(step_env, trajectory=trajectory, encoder=encoder, skip_special_tokens=skip_special)
         while True:
             stop = out_of_room(trajectory, self.limits)
@@ -412,6 +414,16 @@ class Scheduler:
             except EnvError as exc:
                 attempt = self._charge(trajectory, budget, exc)
             await anyio.sleep(self.retry.backoff(attempt, self._rng))
+
+    def _take_prompt(self, trajectory: Trajectory, observation: dict[str, Any]) -> ChatEncoder:
+        """The prompt an env gave on reset (`gives_prompt`): the trajectory's, with its tools; the encoder for it."""
+        prompt = observation.get("prompt")
+        if not (isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt)):
+            raise EnvError(ErrorClass.ENV_EXCEPTION, f"an env that gives the prompt reset to {str(prompt)[:200]!r}")
+        trajectory.prompt = prompt
+        if observation.get("tools"):
+            trajectory.metadata["tools"] = observation["tools"]
+        return self._encoder(trajectory)
 
     def _encoder(self, trajectory: Trajectory) -> ChatEncoder:
         """The encoder for this trajectory: with the tools its prompt row names (slime's `metadata["tools"]`)

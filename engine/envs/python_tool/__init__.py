@@ -39,6 +39,8 @@ __all__ = [
     "isolation",
     "make_prompts",
     "run_python",
+    "task_of",
+    "task_of_sample",
 ]
 
 _CHECKER = TypeAdapter(Checker)
@@ -63,17 +65,23 @@ def _row(task: Task) -> dict[str, Any]:
 def build_env(sample: Any = None, args: Any = None, **kw: Any) -> PythonToolEnv:
     """A PythonToolEnv for a row (its `metadata`: `task_id` or `checker`, and `sandbox`); no sample: the
     first task. The turn limit is `max_turns=` here, else `args.max_turns`, else DEFAULT_MAX_TURNS."""
-    metadata = dict(getattr(sample, "metadata", None) or {}) if sample is not None else {"task_id": TASKS[0].id}
-    task = _task(metadata, getattr(sample, "label", None))
-    try:
-        limits = SandboxLimits.model_validate(metadata.get("sandbox") or {})
-    except ValidationError as exc:
-        raise ValueError(f"python_tool env: metadata.sandbox: {exc}") from exc
-    max_turns = kw.get("max_turns") or getattr(args, "max_turns", None) or DEFAULT_MAX_TURNS
+    task, limits, max_turns = task_of_sample(sample, args, kw, env="python_tool")
     return PythonToolEnv(task, limits=limits, max_turns=max_turns)
 
 
-def _task(metadata: dict[str, Any], label: Any) -> Task:
+def task_of_sample(sample: Any, args: Any, kw: dict[str, Any], *, env: str) -> tuple[Task, SandboxLimits, int]:
+    """A sample's task and sandbox limits (no sample: the first task), and the turn limit: `max_turns=` in `kw`,
+    else `args.max_turns`, else DEFAULT_MAX_TURNS. A bad `metadata.sandbox` raises naming `env`."""
+    metadata = dict(getattr(sample, "metadata", None) or {}) if sample is not None else {"task_id": TASKS[0].id}
+    task = task_of(metadata, getattr(sample, "label", None))
+    try:
+        limits = SandboxLimits.model_validate(metadata.get("sandbox") or {})
+    except ValidationError as exc:
+        raise ValueError(f"{env} env: metadata.sandbox: {exc}") from exc
+    return task, limits, kw.get("max_turns") or getattr(args, "max_turns", None) or DEFAULT_MAX_TURNS
+
+
+def task_of(metadata: dict[str, Any], label: Any) -> Task:
     """The row's task: a built-in one by id (`metadata["task_id"]`, else the label), or its own checker."""
     task_id = metadata.get("task_id", label)
     if "checker" in metadata:
