@@ -5,6 +5,7 @@ forks, and bad requests as the API's own errors."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import anthropic
@@ -633,3 +634,30 @@ async def test_a_client_that_leaves_mid_stream_ends_nothing_and_its_retry_gets_t
     assert again.choices[0].message.tool_calls[0].function.name == "get_weather"
     assert len(backend.requests) == 1 and gateway.counts["repeats"] == 1  # the one turn, sent again
     assert trajectory.status == Status.COMPLETED and session.forks == {}
+
+
+class CachingBackend(ScriptedBackend):
+    """Reports every prompt token but the last 7 as found in the server's prefix cache."""
+
+    async def generate(self, input_ids, sampling_params, image_data=None, *, rid=None, session_id=None):
+        result = await super().generate(input_ids, sampling_params, image_data, rid=rid, session_id=session_id)
+        return dataclasses.replace(result, cached_tokens=len(input_ids) - 7)
+
+
+@pytest.mark.anyio
+async def test_each_api_reports_the_prompt_tokens_the_server_had_cached(encoder):
+    gateway, _ = gateway_over(encoder, [])
+    gateway.scheduler.backend = CachingBackend([sampled(encoder, "Sunny.")] * 3)
+    async with gateway.serving():
+        chat = await client(gateway, gateway.open_session()).chat.completions.create(model="p", messages=PROMPT)
+        responses = await client(gateway, gateway.open_session()).responses.create(model="p", input=PROMPT)
+        anthropic_client = anthropic.AsyncAnthropic(
+            base_url=gateway.base_url(gateway.open_session(), "anthropic"), api_key="unused", max_retries=0
+        )
+        OPEN_CLIENTS.append(anthropic_client)
+        message = await anthropic_client.messages.create(
+            model="p", max_tokens=64, system=PROMPT[0]["content"], messages=PROMPT[1:]
+        )
+    assert chat.usage.prompt_tokens_details.cached_tokens == chat.usage.prompt_tokens - 7
+    assert responses.usage.input_tokens_details.cached_tokens == responses.usage.input_tokens - 7
+    assert (message.usage.input_tokens, message.usage.cache_read_input_tokens) == (7, chat.usage.prompt_tokens - 7)

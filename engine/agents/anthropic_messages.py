@@ -198,16 +198,22 @@ def _blocks(message: dict[str, Any]) -> list[ThinkingBlock | TextBlock | ToolUse
     return blocks
 
 
-def reply(model: str, message: dict[str, Any], reason: str, input_tokens: int, output_tokens: int) -> Message:
+def reply(
+    model: str, message: dict[str, Any], reason: str, input_tokens: int, output_tokens: int, cached: int = 0
+) -> Message:
+    """`cached`: the input tokens the server found in its prefix cache (Anthropic's `input_tokens` excludes them)."""
+    usage = Usage(input_tokens=input_tokens - cached, output_tokens=output_tokens, cache_read_input_tokens=cached)
     return Message(
         id=f"msg_{uuid.uuid4().hex}", type="message", role="assistant", model=model, content=_blocks(message),
-        stop_reason=reason, stop_sequence=None, usage=Usage(input_tokens=input_tokens, output_tokens=output_tokens),
+        stop_reason=reason, stop_sequence=None, usage=usage,
     )  # fmt: skip
 
 
-def events(model: str, message: dict[str, Any], reason: str, input_tokens: int, output_tokens: int) -> Iterator[Any]:
+def events(
+    model: str, message: dict[str, Any], reason: str, input_tokens: int, output_tokens: int, cached: int = 0
+) -> Iterator[Any]:
     """The turn as the stream of events the SDK assembles: each block started, filled and stopped."""
-    start = reply(model, message, reason, input_tokens, 0)
+    start = reply(model, message, reason, input_tokens, 0, cached)
     blocks, start.content, start.stop_reason = start.content, [], None
     yield RawMessageStartEvent(type="message_start", message=start)
     for index, block in enumerate(blocks):

@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 import anyio
 import uvicorn
-from openai.types.completion_usage import CompletionUsage
+from openai.types.completion_usage import CompletionUsage, PromptTokensDetails
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -227,8 +227,9 @@ class Gateway:
         reason = openai_chat.finish_reason(message, info.length)
         total = info.prompt_tokens + info.completion_tokens
         usage = CompletionUsage(
-            prompt_tokens=info.prompt_tokens, completion_tokens=info.completion_tokens, total_tokens=total
-        )
+            prompt_tokens=info.prompt_tokens, completion_tokens=info.completion_tokens, total_tokens=total,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=info.cached_tokens),
+        )  # fmt: skip
         model = chat.model or self.model_name
         if not chat.stream:
             reply = openai_chat.completion(completion_id, model, message, reason, usage)
@@ -246,9 +247,9 @@ class Gateway:
         body, message, info = served
         model = body.model or self.model_name
         if not body.stream:
-            reply = openai_responses.reply(model, message, info.length, info.prompt_tokens, info.completion_tokens)
+            reply = openai_responses.reply(model, message, info.length, *info.tokens)
             return _json(reply)
-        events = openai_responses.events(model, message, info.length, info.prompt_tokens, info.completion_tokens)
+        events = openai_responses.events(model, message, info.length, *info.tokens)
         return _event_stream([_event(e) for e in events])
 
     async def _messages(self, request: Request) -> Response:
@@ -260,9 +261,9 @@ class Gateway:
         reason = anthropic_messages.stop_reason(message, info.length)
         model = body.model or self.model_name
         if not body.stream:
-            reply = anthropic_messages.reply(model, message, reason, info.prompt_tokens, info.completion_tokens)
+            reply = anthropic_messages.reply(model, message, reason, *info.tokens)
             return _json(reply)
-        events = anthropic_messages.events(model, message, reason, info.prompt_tokens, info.completion_tokens)
+        events = anthropic_messages.events(model, message, reason, *info.tokens)
         return _event_stream([_event(e) for e in events])
 
     # -- one turn --------------------------------------------------------------------------------------------
@@ -339,7 +340,7 @@ class Gateway:
             StopReason.TOKEN_BUDGET,
         )
         chain.last_request = messages
-        chain.last_reply = message, TurnInfo(length, turn.prompt_tokens, turn.num_generated)
+        chain.last_reply = message, TurnInfo(length, turn.prompt_tokens, turn.num_generated, turn.cached_tokens)
         return chain.last_reply
 
     @staticmethod
@@ -369,6 +370,12 @@ class TurnInfo:
     length: bool  # the turn was cut by the token cap, the budget or the context window
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # of the prompt tokens, those the server found in its prefix cache
+
+    @property
+    def tokens(self) -> tuple[int, int, int]:
+        """(prompt, completion, cached): the usage every API reports."""
+        return self.prompt_tokens, self.completion_tokens, self.cached_tokens
 
 
 def _json(reply: Any) -> Response:

@@ -191,18 +191,26 @@ def _output(message: dict[str, Any], *, done: bool = True) -> list[Any]:
     return items
 
 
-def reply(model: str, message: dict[str, Any], length: bool, input_tokens: int, output_tokens: int) -> Response:
-    return _response(_id("resp"), model, _output(message), length, input_tokens, output_tokens)
+def reply(
+    model: str, message: dict[str, Any], length: bool, input_tokens: int, output_tokens: int, cached: int = 0
+) -> Response:
+    return _response(_id("resp"), model, _output(message), length, input_tokens, output_tokens, cached)
 
 
 def _response(
-    response_id: str, model: str, output: list[Any], length: bool | None, input_tokens: int, output_tokens: int
+    response_id: str,
+    model: str,
+    output: list[Any],
+    length: bool | None,
+    input_tokens: int,
+    output_tokens: int,
+    cached: int = 0,
 ) -> Response:
-    """`length` None: still in progress."""
+    """`length` None: still in progress. `cached`: the input tokens the server found in its prefix cache."""
     status = "in_progress" if length is None else "incomplete" if length else "completed"
     usage = ResponseUsage(
         input_tokens=input_tokens, output_tokens=output_tokens, total_tokens=input_tokens + output_tokens,
-        input_tokens_details=InputTokensDetails(cached_tokens=0, cache_write_tokens=0),
+        input_tokens_details=InputTokensDetails(cached_tokens=cached, cache_write_tokens=0),
         output_tokens_details=OutputTokensDetails(reasoning_tokens=0),
     )  # fmt: skip
     return Response(
@@ -212,7 +220,9 @@ def _response(
     )  # fmt: skip
 
 
-def events(model: str, message: dict[str, Any], length: bool, input_tokens: int, output_tokens: int) -> Iterator[Any]:
+def events(
+    model: str, message: dict[str, Any], length: bool, input_tokens: int, output_tokens: int, cached: int = 0
+) -> Iterator[Any]:
     """The turn as the stream of events the SDK assembles: created, each item added, filled and done, completed."""
     response_id, items = _id("resp"), _output(message)
     number = iter(range(1_000_000))
@@ -268,7 +278,7 @@ def events(model: str, message: dict[str, Any], length: bool, input_tokens: int,
         yield ResponseOutputItemDoneEvent(
             type="response.output_item.done", item=item, output_index=index, sequence_number=next(number)
         )
-    final = _response(response_id, model, items, length, input_tokens, output_tokens)
+    final = _response(response_id, model, items, length, input_tokens, output_tokens, cached)
     yield ResponseCompletedEvent(type="response.completed", sequence_number=next(number), response=final)
 
 
