@@ -421,7 +421,7 @@ class RolloutEngine:
             runner = await anyio.to_thread.run_sync(self.env_factory, sample)
         else:
             runner = self.env_factory(sample)
-        if getattr(runner.env, "is_agent", False):
+        if getattr(getattr(runner, "env", None), "is_agent", False):  # (an env worker's runner holds no env)
             runner = self.agents.runner(runner.env, trajectory, sample, runner.name)
         return runner
 

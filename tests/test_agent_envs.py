@@ -10,6 +10,7 @@ every process it started is gone afterwards."""
 
 from __future__ import annotations
 
+import anyio
 import psutil
 import pytest
 
@@ -97,6 +98,10 @@ async def test_an_agent_program_is_its_samples_trajectory(encoder, tmp_path):
     assert "Sunny, 24 C." in encoder.tokenizer.decode(response)  # the tool's result, as an observation (mask 0)
     assert trajectory.forks == [] and gateway.counts["agent_exits:finished"] == 1
     assert alive(agent.pids()) == []  # what it left running, gone
+    # the gateway closed its listener with the event loop's knowledge: the loop's next sockets work
+    async with await anyio.create_tcp_listener(local_host="127.0.0.1") as listener:
+        stream = await anyio.connect_tcp("127.0.0.1", listener.extra(anyio.abc.SocketAttribute.local_port))
+        await stream.aclose()
 
 
 @pytest.mark.anyio

@@ -61,11 +61,14 @@ class AgentEnv:
     async def run(self, agent: AgentRun) -> Mapping[str, Any] | None:
         raise NotImplementedError
 
-    async def astep(self, response_text: str) -> Any:
+    def reset(self) -> Any:
         raise RuntimeError(
             f"{type(self).__name__} is an agent env: the engine runs its agent, whose requests are its steps; it "
             "runs in the engine's process (env_workers 0)"
         )
+
+    async def astep(self, response_text: str) -> Any:
+        return self.reset()
 
     async def aclose(self) -> None:
         """End what the agent left that `run_process` does not (a container, a remote sandbox)."""
@@ -238,6 +241,8 @@ class AgentSessionEnv(SessionEnv):
         await self._stop()
         if self.session is not None:
             await self.host.gateway.finish_session(self.session)
+            if self.session.chains:
+                self.session.chains[0].turn_ended()  # a request still waiting for a turn learns there is none
         await self.agent.aclose()
 
     def _error(self) -> EnvError:

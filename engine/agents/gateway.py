@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 # An idle connection is kept this long: longer than clients keep theirs (httpx's pool, the SDKs': 5 s), so the
 # client closes first; a server that closes first races a client reusing the connection (a ReadError mid-turn).
 KEEP_ALIVE_S = 75.0
+SHUTDOWN_S = 10.0  # at the end of serving, how long requests still open are given before they are cancelled
 
 
 class _Server(uvicorn.Server):
@@ -155,13 +156,21 @@ class Gateway:
         self._public_url = (public_url or self.url).rstrip("/")
         server = _Server(
             uvicorn.Config(
-                self.app, log_level="warning", lifespan="off", access_log=False, timeout_keep_alive=KEEP_ALIVE_S
+                self.app, log_level="warning", lifespan="off", access_log=False, timeout_keep_alive=KEEP_ALIVE_S,
+                timeout_graceful_shutdown=SHUTDOWN_S,
             )
-        )
+        )  # fmt: skip
+
+        async def serve() -> None:
+            # only `should_exit` ends it, cancelled or not: uvicorn then closes its listener with the event loop's
+            # knowledge (closed behind it, the socket's number, reused, breaks the loop's next connect)
+            with anyio.CancelScope(shield=True):
+                await server.serve([sock])
+
         try:
             async with anyio.create_task_group() as tasks:
                 self._tasks = tasks
-                tasks.start_soon(server.serve, [sock])
+                tasks.start_soon(serve)
                 try:
                     yield self
                 finally:

@@ -303,6 +303,7 @@ class RemoteEnvRunner:
 
     needs_env_slot = True  # a step works in a worker process
     restartable = True
+    gives_prompt = False  # an agent env's gateway session lives in the engine's process: not in a worker
 
     @property
     def is_busy(self) -> bool:
