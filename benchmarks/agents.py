@@ -1,0 +1,264 @@
+"""Agent benchmark: agent programs through the session gateway with partial rollout, against the same agents run
+slime's way, on the same simulated SGLang server.
+
+    python -m benchmarks.agents [--size small|default] [--seed 0] [--out DIR]
+
+A long-tail agent workload: each sample is an agent (the official `openai` SDK, in this process) that makes 1 to
+30 requests (Pareto-tailed, `Agents.max_requests`), each answered by the policy through the engine, and runs a
+tool between them for a heavy-tailed time (lognormal, median `tool_median_s`, capped at `tool_max_s`); the
+model's turns have the simulated server's heavy-tailed lengths (benchmarks/simserver.py). The agent reports a
+reward at its end (the env's `info["reward"]`). Both policies run the agents as agent envs
+(engine/agents/env.py) of a RolloutEngine over the same SGLangBackend, so the gateway, the parsing and the HTTP
+cost the same; they differ where slime's agent path and Turnstile differ:
+
+  slime_style   one generate call per sample holding its slot for the whole session: at most `concurrency`
+                sessions at once (slime's `--sglang-server-concurrency` semaphore around each sample's
+                custom generate), every sample of a step run to its end before the step returns (a barrier),
+                no partial rollout
+  turn_partial  Turnstile: a generation slot only while a request generates (`max_generating` =
+                `concurrency`), `over_sampling` x the step's groups in flight, partial rollout: the sessions
+                left at a step's end keep running (their agents' requests held over the weight update)
+
+Both do the same weight update between steps. Per policy (report.json):
+  trained_tokens_per_s  model tokens (loss mask 1) of the COMPLETED and TRUNCATED samples returned, over the
+                        policy's wall time
+  backend_utilization   time-integral of running requests / (the server's cap x wall time)
+  step_seconds_p50 / p99, statuses (a session past max_staleness ends STALE: aborted, not trained),
+  staleness_histogram (trained tokens by weight versions behind the trainer), requests, sessions
+and `speedup` (turn_partial's trained tokens per second over slime_style's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import httpx2
+import numpy as np
+import openai
+
+from benchmarks.longtail import sim_server
+from benchmarks.longtail_common import version_index
+from benchmarks.simserver import SimConfig
+from engine.agents.env import AgentEnv, AgentRun
+from engine.backends.base import SamplingParams
+from engine.backends.sglang import SGLangBackend
+from engine.encoding import ChatEncoder
+from engine.engine import EngineConfig, RolloutEngine
+from engine.envs.base import EnvRunner
+from engine.scheduler.scheduler import SCORED
+from engine.trajectory import Trajectory
+
+POLICIES = ("slime_style", "turn_partial")
+
+
+@dataclass(frozen=True)
+class Agents:
+    """The agents' behaviour (seeded per sample) and the run's shape."""
+
+    target_groups: int = 8  # groups a step returns
+    n_samples: int = 4
+    num_steps: int = 6
+    over_sampling: float = 4.0  # turn_partial: groups in flight per group a step returns
+    max_staleness: int = 3
+    max_requests: int = 30
+    request_tail: float = 0.9  # Pareto shape of the number of requests: P(n >= k) = k ** -tail, capped
+    tool_median_s: float = 0.6
+    tool_sigma: float = 1.0
+    tool_max_s: float = 10.0
+    max_new_tokens: int = 512
+    server: SimConfig = field(
+        default_factory=lambda: SimConfig(max_running=16, median_tokens=60.0, max_turn_tokens=400)
+    )
+
+
+SIZES = {
+    "default": Agents(),
+    "small": Agents(target_groups=2, n_samples=2, num_steps=2, over_sampling=3.0, max_requests=6, tool_median_s=0.1,
+                    tool_max_s=0.5, server=SimConfig(max_running=4, median_tokens=20.0, max_turn_tokens=80)),
+}  # fmt: skip
+
+
+class SimulatedAgent(AgentEnv):
+    """An agent program in this process: `plan` requests, a tool run between each, a reward at the end."""
+
+    timeout_s = 600.0
+
+    def __init__(self, seed: int, config: Agents, http: httpx.AsyncClient, counts: Counter[str]):
+        rng = random.Random(seed)
+        self.requests = min(config.max_requests, int(rng.paretovariate(config.request_tail)))
+        self.tool_s = [
+            min(config.tool_max_s, rng.lognormvariate(math.log(config.tool_median_s), config.tool_sigma))
+            for _ in range(self.requests)
+        ]
+        self.reward = float(rng.random() < 0.5)
+        self.http, self.counts = http, counts
+
+    async def run(self, agent: AgentRun) -> dict[str, Any]:
+        client = openai.AsyncOpenAI(
+            base_url=agent.base_url, api_key=agent.api_key, http_client=self.http, max_retries=0
+        )
+        messages: list[dict[str, Any]] = [
+            {"role": "system", "content": "You are a coding agent. Use the tools."},
+            {"role": "user", "content": f"Task {agent.session_id[:8]}: fix the failing test."},
+        ]
+        for index in range(self.requests):
+            reply = await client.chat.completions.create(model=agent.model, messages=messages)
+            self.counts["requests"] += 1
+            messages.append(reply.choices[0].message.model_dump(exclude_none=True))
+            if index + 1 == self.requests:
+                break
+            await anyio.sleep(self.tool_s[index])  # the agent's tool (a test run, a search)
+            messages.append({"role": "user", "content": f"Tool output {index}: 3 passed, 1 failed."})
+        return {"reward": self.reward}
+
+
+@dataclass
+class PolicyRun:
+    name: str
+    started: float
+    returned: list[list[Trajectory]] = field(default_factory=list)
+    trainer_versions: list[str | None] = field(default_factory=list)
+    step_times: list[float] = field(default_factory=list)
+    wall_seconds: float = 0.0
+    server: dict[str, Any] = field(default_factory=dict)
+    counts: Counter[str] = field(default_factory=Counter)
+
+
+def engine_config(config: Agents, policy: str) -> EngineConfig:
+    concurrency = config.server.max_running
+    if policy == "slime_style":  # at most `concurrency` samples at once, each holding its slot to its end
+        inflight, partial, over_sampling = concurrency, False, 1.0
+    else:
+        over_sampling = config.over_sampling
+        inflight, partial = math.ceil(config.target_groups * over_sampling) * config.n_samples, True
+    return EngineConfig(
+        n_samples_per_prompt=config.n_samples, max_inflight=inflight, max_generating=concurrency,
+        partial_rollout=partial, over_sampling=over_sampling, max_staleness=config.max_staleness,
+        max_turns=config.max_requests, max_tokens=64 * 1024, max_new_tokens=config.max_new_tokens, seed=0,
+    )  # fmt: skip
+
+
+async def run_policy(policy: str, config: Agents, encoder: ChatEncoder, backend: SGLangBackend, url: str) -> PolicyRun:
+    async with httpx2.AsyncClient(base_url=url, trust_env=False) as control:
+        (await control.post("/sim/reset", json={"weight_version": "v0"})).raise_for_status()
+        (await control.post("/stats/reset", json={})).raise_for_status()
+    run = PolicyRun(policy, started=time.monotonic())
+    rows = ({"prompt": f"task {i}", "metadata": {"task": i}} for i in range(10**9))
+    limits = httpx.Limits(max_connections=4096, max_keepalive_connections=4096)
+    async with httpx.AsyncClient(limits=limits, timeout=600.0, trust_env=False) as http:
+
+        def build(sample: Any) -> EnvRunner:
+            seed = sample.metadata["task"] * 1_000 + sample.index
+            return EnvRunner(SimulatedAgent(seed, config, http, run.counts))
+
+        settings = engine_config(config, policy)
+        sampling = SamplingParams(max_new_tokens=config.max_new_tokens, stop_token_ids=encoder.stop_token_ids)
+        settings = settings.model_copy(update={"sampling": sampling})
+        engine = RolloutEngine(backend=backend, encoder=encoder, env_factory=build, source=rows, config=settings)
+        async with engine:
+            for step in range(config.num_steps):
+                started = time.monotonic()
+                groups = await engine.rollout(config.target_groups)
+                run.step_times.append(time.monotonic() - started)
+                run.returned.append([t for group in groups for t in group.trajectories])
+                run.trainer_versions.append(await backend.weight_version())
+                await engine.pause()
+                await backend.update_weights_from_disk("/sim/weights", weight_version=f"v{step + 1}")
+                if step + 1 < config.num_steps:
+                    await engine.resume(f"v{step + 1}")
+            run.wall_seconds = time.monotonic() - run.started
+            async with httpx2.AsyncClient(base_url=url, trust_env=False) as control:
+                run.server = (await control.get("/stats")).raise_for_status().json()
+            run.counts.update(engine.agents.gateway.counts)
+    return run
+
+
+def summarize(run: PolicyRun) -> dict[str, Any]:
+    staleness: Counter[int] = Counter()
+    statuses: Counter[str] = Counter()
+    trained = 0
+    for trajectories, version in zip(run.returned, run.trainer_versions, strict=True):
+        now = version_index(version)
+        for t in trajectories:
+            statuses[f"{t.status}/{t.stop_reason}"] += 1
+            if t.status not in SCORED:
+                continue
+            for span in t.spans:
+                n = sum(t.loss_mask[span.start : span.start + span.length])
+                staleness[(now or 0) - (version_index(span.weight_version) or 0)] += n
+                trained += n
+    steps = run.step_times
+    return {
+        "trained_tokens_per_s": trained / run.wall_seconds,
+        "backend_utilization": float(run.server.get("utilization", 0.0)),
+        "backend_busy_fraction": float(run.server.get("busy_fraction", 0.0)),
+        "mean_batch_size": float(run.server.get("mean_batch_size", 0.0)),
+        "step_seconds_p50": float(np.percentile(steps, 50)),
+        "step_seconds_p99": float(np.percentile(steps, 99)),
+        "trained_tokens": trained,
+        "generated_tokens": int(run.server.get("generated_tokens", 0)),
+        "wall_seconds": run.wall_seconds,
+        "samples_returned": sum(map(len, run.returned)),
+        "statuses": dict(statuses),
+        "staleness_histogram": {str(k): v for k, v in sorted(staleness.items())},
+        "agent_requests": run.counts["requests"],
+        "agent_exits": {k.split(":", 1)[1]: v for k, v in run.counts.items() if k.startswith("agent_exits:")},
+        "forks": {k.split(":", 1)[1]: v for k, v in run.counts.items() if k.startswith("forks:")},
+    }
+
+
+async def run_benchmark(config: Agents, *, log: Any = print) -> dict[str, Any]:
+    from engine.models import load_tokenizer
+
+    encoder = ChatEncoder(load_tokenizer("qwen2.5"))
+    report: dict[str, Any] = {"config": asdict(config), "policies": {}}
+    with sim_server(config.server) as url:
+        async with SGLangBackend(url, timeout=600.0) as backend:
+            await backend.wait_until_healthy(30.0, poll_interval=0.1)
+            for policy in POLICIES:
+                result = summarize(await run_policy(policy, config, encoder, backend, url))
+                report["policies"][policy] = result
+                log(
+                    f"{policy:13} trained tokens/s {result['trained_tokens_per_s']:8.1f}  utilization "
+                    f"{result['backend_utilization']:.3f}  steps p50 {result['step_seconds_p50']:.1f} s  "
+                    f"requests {result['agent_requests']}"
+                )
+    slime, turn = report["policies"]["slime_style"], report["policies"]["turn_partial"]
+    report["speedup"] = turn["trained_tokens_per_s"] / slime["trained_tokens_per_s"]
+    report["targets"] = {
+        "speedup_at_least_3": report["speedup"] >= 3.0,
+        "utilization_at_least_0.85": turn["backend_utilization"] >= 0.85,
+    }
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", choices=sorted(SIZES), default="default")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=None, help="write report.json here")
+    args = parser.parse_args(argv)
+    config = SIZES[args.size]
+    config = replace(config, server=replace(config.server, seed=args.seed))
+    report = anyio.run(run_benchmark, config)
+    text = json.dumps(report, indent=2)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "report.json").write_text(text + "\n")
+    print(text if args.out is None else f"wrote {args.out / 'report.json'}", file=sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
