@@ -11,13 +11,15 @@ reward at its end (the env's `info["reward"]`). Both policies run the agents as 
 (engine/agents/env.py) of a RolloutEngine over the same SGLangBackend, so the gateway, the parsing and the HTTP
 cost the same; they differ where slime's agent path and Turnstile differ:
 
-  slime_style   one generate call per sample holding its slot for the whole session: at most `concurrency`
-                sessions at once (slime's `--sglang-server-concurrency` semaphore around each sample's
-                custom generate), every sample of a step run to its end before the step returns (a barrier),
-                no partial rollout
-  turn_partial  Turnstile: a generation slot only while a request generates (`max_generating` =
-                `concurrency`), `over_sampling` x the step's groups in flight, partial rollout: the sessions
-                left at a step's end keep running (their agents' requests held over the weight update)
+  slime_style   one generate call per sample holding its slot for the whole session (slime's
+                `--sglang-server-concurrency` semaphore around each sample's custom generate; at its default,
+                512, every sample of the step at once), every sample of a step run to its end before the step
+                returns (a barrier), no partial rollout
+  turn_partial  Turnstile: a generation slot only while a request generates, `over_sampling` x the step's
+                groups in flight, partial rollout: the sessions left at a step's end keep running (their
+                agents' requests held over the weight update)
+
+Both keep `generation_slots` requests on the server at most (twice its running cap by default).
 
 Both do the same weight update between steps. Per policy (report.json):
   trained_tokens_per_s  model tokens (loss mask 1) of the COMPLETED and TRUNCATED samples returned, over the
@@ -38,6 +40,7 @@ import sys
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +63,7 @@ from engine.scheduler.scheduler import SCORED
 from engine.trajectory import Trajectory
 
 POLICIES = ("slime_style", "turn_partial")
+SLIME_CONCURRENCY = 512  # slime's --sglang-server-concurrency default: the semaphore each sample's generate holds
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,8 @@ class Agents:
     n_samples: int = 4
     num_steps: int = 6
     over_sampling: float = 4.0  # turn_partial: groups in flight per group a step returns
+    refill: float = 0.0  # turn_partial: more groups a step may start in its tail (EngineConfig.refill)
+    scheduling: str = "fifo"  # turn_partial's priority policy (EngineConfig.policy)
     max_staleness: int = 3
     max_requests: int = 30
     request_tail: float = 0.9  # Pareto shape of the number of requests: P(n >= k) = k ** -tail, capped
@@ -77,6 +83,7 @@ class Agents:
     tool_sigma: float = 1.0
     tool_max_s: float = 10.0
     max_new_tokens: int = 512
+    generation_slots: int = 0  # requests on the server at once (0: twice its running cap, so its queue never runs dry)
     server: SimConfig = field(
         default_factory=lambda: SimConfig(max_running=16, median_tokens=60.0, max_turn_tokens=400)
     )
@@ -136,15 +143,17 @@ class PolicyRun:
 
 
 def engine_config(config: Agents, policy: str) -> EngineConfig:
-    concurrency = config.server.max_running
-    if policy == "slime_style":  # at most `concurrency` samples at once, each holding its slot to its end
-        inflight, partial, over_sampling = concurrency, False, 1.0
+    step = config.target_groups * config.n_samples
+    if policy == "slime_style":  # every sample of the step at once (within slime's default concurrency, 512)
+        inflight, partial, over_sampling = min(step, SLIME_CONCURRENCY), False, 1.0
     else:
         over_sampling = config.over_sampling
         inflight, partial = math.ceil(config.target_groups * over_sampling) * config.n_samples, True
     return EngineConfig(
-        n_samples_per_prompt=config.n_samples, max_inflight=inflight, max_generating=concurrency,
+        n_samples_per_prompt=config.n_samples, max_inflight=inflight,
+        max_generating=config.generation_slots or 2 * config.server.max_running,
         partial_rollout=partial, over_sampling=over_sampling, max_staleness=config.max_staleness,
+        refill=config.refill if partial else 0.0, policy=config.scheduling,
         max_turns=config.max_requests, max_tokens=64 * 1024, max_new_tokens=config.max_new_tokens, seed=0,
     )  # fmt: skip
 
@@ -218,7 +227,7 @@ def summarize(run: PolicyRun) -> dict[str, Any]:
     }
 
 
-async def run_benchmark(config: Agents, *, log: Any = print) -> dict[str, Any]:
+async def run_benchmark(config: Agents, *, policies: tuple[str, ...] = POLICIES, log: Any = print) -> dict[str, Any]:
     from engine.models import load_tokenizer
 
     encoder = ChatEncoder(load_tokenizer("qwen2.5"))
@@ -226,7 +235,7 @@ async def run_benchmark(config: Agents, *, log: Any = print) -> dict[str, Any]:
     with sim_server(config.server) as url:
         async with SGLangBackend(url, timeout=600.0) as backend:
             await backend.wait_until_healthy(30.0, poll_interval=0.1)
-            for policy in POLICIES:
+            for policy in policies:
                 result = summarize(await run_policy(policy, config, encoder, backend, url))
                 report["policies"][policy] = result
                 log(
@@ -234,12 +243,13 @@ async def run_benchmark(config: Agents, *, log: Any = print) -> dict[str, Any]:
                     f"{result['backend_utilization']:.3f}  steps p50 {result['step_seconds_p50']:.1f} s  "
                     f"requests {result['agent_requests']}"
                 )
-    slime, turn = report["policies"]["slime_style"], report["policies"]["turn_partial"]
-    report["speedup"] = turn["trained_tokens_per_s"] / slime["trained_tokens_per_s"]
-    report["targets"] = {
-        "speedup_at_least_3": report["speedup"] >= 3.0,
-        "utilization_at_least_0.85": turn["backend_utilization"] >= 0.85,
-    }
+    if set(POLICIES) <= set(policies):
+        slime, turn = report["policies"]["slime_style"], report["policies"]["turn_partial"]
+        report["speedup"] = turn["trained_tokens_per_s"] / slime["trained_tokens_per_s"]
+        report["targets"] = {
+            "speedup_at_least_3": report["speedup"] >= 3.0,
+            "utilization_at_least_0.85": turn["backend_utilization"] >= 0.85,
+        }
     return report
 
 
@@ -248,10 +258,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", choices=sorted(SIZES), default="default")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None, help="write report.json here")
+    parser.add_argument("--num-steps", type=int, default=None, help="steps per policy (default: the size's)")
+    parser.add_argument("--over-sampling", type=float, default=None, help="turn_partial's groups in flight per group")
+    parser.add_argument("--refill", type=float, default=None)
+    parser.add_argument("--scheduling", choices=("fifo", "group_completion", "oldest"), default=None)
+    parser.add_argument("--max-staleness", type=int, default=None)
+    parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
     args = parser.parse_args(argv)
     config = SIZES[args.size]
-    config = replace(config, server=replace(config.server, seed=args.seed))
-    report = anyio.run(run_benchmark, config)
+    overrides = {"num_steps": args.num_steps, "over_sampling": args.over_sampling, "refill": args.refill,
+                 "scheduling": args.scheduling, "max_staleness": args.max_staleness}  # fmt: skip
+    config = replace(config, server=replace(config.server, seed=args.seed),
+                     **{k: v for k, v in overrides.items() if v is not None})  # fmt: skip
+    report = anyio.run(partial(run_benchmark, config, policies=tuple(args.policies)))
     text = json.dumps(report, indent=2)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
