@@ -376,3 +376,13 @@ def test_the_run_yaml_takes_the_runs_own_options_and_flags_override_them(tmp_pat
     assert len(records) == 3 and all("prompt_text" not in r for r in records)
     assert main(["run", "--config", str(config), "--num-prompts", "2"]) == 0
     assert len(read_lines(out)) == 2
+
+
+def test_the_built_in_agent_env_runs_from_the_command_line(tmp_path):
+    """`--env python_agent`: each sample an OpenAI Agents SDK program against its session, on the embedded model."""
+    pytest.importorskip("agents", reason="the python_agent env needs openai-agents (turnstile[agents])")
+    out = tmp_path / "out.jsonl"
+    assert main(["run", "--env", "python_agent", "--num-prompts", "2", "--max-turns", "2", "--out", str(out)]) == 0
+    records = read_lines(out)
+    assert [r["status"] for r in records] == ["completed", "completed"]  # the agent's exit ended each, env done
+    assert all(r["reward"] in (0.0, 1.0) and r["metadata"]["agent"] == "PythonAgentEnv" for r in records)
