@@ -50,7 +50,7 @@ import httpx2
 import numpy as np
 import openai
 
-from benchmarks.longtail import sim_server
+from benchmarks.longtail import sim_post, sim_server
 from benchmarks.longtail_common import version_index
 from benchmarks.simserver import SimConfig
 from engine.agents.env import AgentEnv, AgentRun
@@ -159,9 +159,8 @@ def engine_config(config: Agents, policy: str) -> EngineConfig:
 
 
 async def run_policy(policy: str, config: Agents, encoder: ChatEncoder, backend: SGLangBackend, url: str) -> PolicyRun:
-    async with httpx2.AsyncClient(base_url=url, trust_env=False) as control:
-        (await control.post("/sim/reset", json={"weight_version": "v0"})).raise_for_status()
-        (await control.post("/stats/reset", json={})).raise_for_status()
+    await sim_post(url, "/sim/reset", {"weight_version": "v0"})
+    await sim_post(url, "/stats/reset")
     run = PolicyRun(policy, started=time.monotonic())
     rows = ({"prompt": f"task {i}", "metadata": {"task": i}} for i in range(10**9))
     limits = httpx.Limits(max_connections=4096, max_keepalive_connections=4096)

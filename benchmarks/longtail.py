@@ -177,15 +177,16 @@ def sim_server(config: SimConfig, *, timeout: float = 30.0) -> Iterator[str]:
             process.wait()
 
 
-async def _post(url: str, path: str, body: dict[str, Any] | None = None) -> None:
+async def sim_post(url: str, path: str, body: dict[str, Any] | None = None) -> None:
+    """POST to the simulated server's control endpoints (/sim/reset, /stats/reset)."""
     async with httpx2.AsyncClient(base_url=url, trust_env=False) as client:
         (await client.post(path, json=body or {})).raise_for_status()
 
 
 async def run_policy(name: str, setup: Setup) -> PolicyRun:
-    await _post(setup.server_url, "/sim/reset", {"weight_version": "v0"})
+    await sim_post(setup.server_url, "/sim/reset", {"weight_version": "v0"})
     setup.reset_records()
-    await _post(setup.server_url, "/stats/reset")
+    await sim_post(setup.server_url, "/stats/reset")
     if setup.gc_freeze:  # what the earlier policies left (their reports) costs this one's collector passes nothing
         freeze_alive()
     with CollectorPauses() as collector:

@@ -12,7 +12,7 @@ import httpx2
 import pytest
 from aiohttp import web
 
-from benchmarks.longtail import POLICIES, run_benchmark, sim_server, sized, write_outputs
+from benchmarks.longtail import POLICIES, run_benchmark, sim_post, sim_server, sized, write_outputs
 from benchmarks.longtail_model import IM_END, IM_START, turn_start
 from benchmarks.simserver import SimConfig, SimServer
 from benchmarks.workload import Workload, lognormal
@@ -52,14 +52,9 @@ def server_url():
 async def backend(server_url):
     async with SGLangBackend(server_url, timeout=30) as client:
         await client.wait_until_healthy(10, poll_interval=0.05)
-        await _post(server_url, "/sim/reset", {"weight_version": "v0"})
-        await _post(server_url, "/stats/reset")
+        await sim_post(server_url, "/sim/reset", {"weight_version": "v0"})
+        await sim_post(server_url, "/stats/reset")
         yield client
-
-
-async def _post(url: str, path: str, body: dict | None = None) -> None:
-    async with httpx2.AsyncClient(base_url=url, trust_env=False) as client:
-        (await client.post(path, json=body or {})).raise_for_status()
 
 
 async def _stats(url: str) -> dict:
@@ -80,7 +75,7 @@ def test_turn_starts_after_the_last_assistant_header():
 @pytest.mark.anyio
 async def test_same_prefix_gives_the_same_turns_after_a_reset(backend, server_url):
     first = [await backend.generate(prompt(1), PARAMS) for _ in range(2)]
-    await _post(server_url, "/sim/reset", {"weight_version": "v0"})
+    await sim_post(server_url, "/sim/reset", {"weight_version": "v0"})
     again = [await backend.generate(prompt(1), PARAMS) for _ in range(2)]
 
     assert [r.token_ids for r in again] == [r.token_ids for r in first]
@@ -96,7 +91,7 @@ async def test_same_prefix_gives_the_same_turns_after_a_reset(backend, server_ur
 @pytest.mark.anyio
 async def test_an_aborted_turn_resumed_ends_as_an_uninterrupted_one(backend, server_url):
     whole = await backend.generate(prompt(2), PARAMS)
-    await _post(server_url, "/sim/reset", {"weight_version": "v0"})
+    await sim_post(server_url, "/sim/reset", {"weight_version": "v0"})
 
     async with anyio.create_task_group() as tg:
         results = []

@@ -85,7 +85,6 @@ class AgentRun:
     sample: Any  # the env's sample (an EnvSample, or slime's Sample)
     deadline: float  # time.monotonic() by which the agent ends
     api_key: str = "turnstile"  # any key: the session id in the URL is what names the session
-    processes: int = 0  # processes started with run_process
 
     @property
     def task(self) -> Any:
@@ -114,7 +113,6 @@ class AgentRun:
         """Run a program with `environ()` added to `env` (default: this process's environment); it and every
         process it starts are gone when this returns or is cancelled. A non-zero exit raises AgentFailed with
         the end of its stderr, unless `check` is False."""
-        self.processes += 1
         base = dict(os.environ if env is None else env)
         result = await run_process(argv, marker=self.session_id, env={**base, **self.environ()}, cwd=cwd, stdin=stdin)
         if check and result.returncode != 0:

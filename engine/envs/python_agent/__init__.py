@@ -12,17 +12,15 @@ stdin); the engine serves its session and ends the process, and whatever it star
 from __future__ import annotations
 
 import json
-import re
 import sys
 from typing import Any
 
 from engine.agents.env import AgentEnv, AgentFailed, AgentRun
 from engine.envs.python_tool import SandboxLimits, make_prompts, task_of_sample
+from engine.envs.python_tool.env import ANSWER
 from engine.envs.python_tool.tasks import Task
 
 __all__ = ["PythonAgentEnv", "build_env", "make_prompts"]
-
-_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
 
 class PythonAgentEnv(AgentEnv):
@@ -52,7 +50,7 @@ class PythonAgentEnv(AgentEnv):
         output = final.get("final_output")
         if output is None:  # out of turns without a final answer
             return info | {"reward": 0.0, "verdict": final.get("stopped", "no final output")}
-        answers = _ANSWER.findall(output)
+        answers = ANSWER.findall(output)
         verdict = await self.task.checker.check(answers[-1] if answers else output, self.limits)
         return info | {"reward": 1.0 if verdict.passed else 0.0, "verdict": verdict.detail}
 

@@ -44,8 +44,7 @@ async def main() -> None:
         return
     finally:
         await client.close()
-    turns = sum(1 for item in result.raw_responses)
-    print(json.dumps({"final_output": str(result.final_output), "turns": turns}))
+    print(json.dumps({"final_output": str(result.final_output), "turns": len(result.raw_responses)}))
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from engine.envs.python_tool.tasks import Task
 from engine.envs.tool_calls import MalformedToolCall, Tool, parse_tool_calls
 
 DEFAULT_MAX_TURNS = 6
-_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)  # a final answer, as the system prompt asks for it
 
 
 class PythonArguments(BaseModel):
@@ -83,7 +83,7 @@ class PythonToolEnv(AsyncInteractionEnv):
             return self._again(error.observation, "tool", info | {"malformed_call": str(error.kind)})
         if calls:
             return await self._run(calls[0].arguments["code"], info)
-        answers = _ANSWER.findall(response_text)
+        answers = ANSWER.findall(response_text)
         if not answers:
             hint = "Reply with a python tool call, or with the final answer as <answer>...</answer>."
             return self._again(f"No tool call and no answer. {hint}", "user", info | {"no_action": True})
