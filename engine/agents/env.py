@@ -122,9 +122,9 @@ class AgentRun:
 
 @dataclass
 class _Outcome:
-    """How an agent ended: `finished` (info set), `crashed`, `hung`, `no_request`."""
+    """How an agent ended: `finished` (info set), `crashed`, `hung`, `no_request`, `stopped`."""
 
-    kind: str = ""
+    kind: str
     info: dict[str, Any] = field(default_factory=dict)
     message: str = ""
 
@@ -254,7 +254,8 @@ class AgentSessionEnv(SessionEnv):
             await self._ended.wait()
 
     async def _run_agent(self, run: AgentRun, session: Session, ended: anyio.Event) -> None:
-        outcome = _Outcome()
+        # stopped unless it ends on its own: its trajectory ended first (`_stop`), or the engine did
+        outcome = _Outcome("stopped", message="stopped before it ended (its trajectory or the engine ended first)")
         try:
             with anyio.CancelScope() as self._cancel:
                 with anyio.move_on_after(self.agent.timeout_s) as deadline:
@@ -265,14 +266,12 @@ class AgentSessionEnv(SessionEnv):
                     outcome = _Outcome("no_request", message="exited without a request to its session")
                 else:
                     outcome = _Outcome("finished", info=dict(info or {}))
-            if self._cancel.cancelled_caught and not outcome.kind:
-                outcome = _Outcome("stopped", message="stopped before it ended (its trajectory ended first)")
         except Exception as exc:  # noqa: BLE001 -- the agent's failure is its trajectory's alone
             outcome = _Outcome("crashed", message=str(exc) if isinstance(exc, AgentFailed) else repr(exc))
         finally:
             with anyio.CancelScope(shield=True):
                 self.outcome = outcome
-                self.host.count(outcome.kind or "crashed")
+                self.host.count(outcome.kind)
                 if session.chains:
                     await session.chains[0].end()  # the main chain's waiting step ends
                 ended.set()
