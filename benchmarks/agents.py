@@ -54,7 +54,6 @@ from benchmarks.longtail import sim_post, sim_server
 from benchmarks.longtail_common import version_index
 from benchmarks.simserver import SimConfig
 from engine.agents.env import AgentEnv, AgentRun
-from engine.backends.base import SamplingParams
 from engine.backends.sglang import SGLangBackend
 from engine.encoding import ChatEncoder
 from engine.engine import EngineConfig, RolloutEngine
@@ -170,9 +169,7 @@ async def run_policy(policy: str, config: Agents, encoder: ChatEncoder, backend:
             seed = sample.metadata["task"] * 1_000 + sample.index
             return EnvRunner(SimulatedAgent(seed, config, http, run.counts))
 
-        settings = engine_config(config, policy)
-        sampling = SamplingParams(max_new_tokens=config.max_new_tokens, stop_token_ids=encoder.stop_token_ids)
-        settings = settings.model_copy(update={"sampling": sampling})
+        settings = engine_config(config, policy)  # the stop tokens: the encoder's, as the engine fills them in
         engine = RolloutEngine(backend=backend, encoder=encoder, env_factory=build, source=rows, config=settings)
         async with engine:
             for step in range(config.num_steps):
