@@ -3,13 +3,14 @@ slime's way, on the same simulated SGLang server.
 
     python -m benchmarks.agents [--size small|default] [--seed 0] [--out DIR]
 
-A long-tail agent workload: each sample is an agent (the official `openai` SDK, in this process) that makes 1 to
-30 requests (Pareto-tailed, `Agents.max_requests`), each answered by the policy through the engine, and runs a
-tool between them for a heavy-tailed time (lognormal, median `tool_median_s`, capped at `tool_max_s`); the
-model's turns have the simulated server's heavy-tailed lengths (benchmarks/simserver.py). The agent reports a
-reward at its end (the env's `info["reward"]`). Both policies run the agents as agent envs
-(engine/agents/env.py) of a RolloutEngine over the same SGLangBackend, so the gateway, the parsing and the HTTP
-cost the same; they differ where slime's agent path and Turnstile differ:
+A long-tail agent workload: each sample is an agent (the official `openai` SDK, in a process of its own as agent
+programs are: benchmarks/agent_farm.py, one process for them all) that makes 1 to 30 requests (Pareto-tailed,
+`AgentPlan.max_requests`), each answered by the policy through the engine, and runs a tool between them for a
+heavy-tailed time (lognormal, median `AgentPlan.tool_median_s`, capped at `tool_max_s`); the model's turns have the
+simulated server's heavy-tailed lengths (benchmarks/simserver.py). The agent reports a reward at its end (the
+env's `info["reward"]`). Both policies run the agents as agent envs (engine/agents/env.py) of a RolloutEngine
+over the same SGLangBackend, so the gateway, the parsing and the HTTP cost the same; they differ where slime's
+agent path and Turnstile differ:
 
   slime_style   one generate call per sample holding its slot for the whole session (slime's
                 `--sglang-server-concurrency` semaphore around each sample's custom generate; at its default,
@@ -35,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import random
 import sys
 import time
 from collections import Counter
@@ -45,15 +45,14 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import httpx
 import httpx2
 import numpy as np
-import openai
 
+import engine.agents.gateway  # noqa: F401  (imported before a clock starts: a cost of the process, not a step)
+from benchmarks.agent_farm import AgentFarm, AgentPlan, FarmAgent
 from benchmarks.longtail import sim_post, sim_server
 from benchmarks.longtail_common import version_index
 from benchmarks.simserver import SimConfig
-from engine.agents.env import AgentEnv, AgentRun
 from engine.backends.sglang import SGLangBackend
 from engine.encoding import ChatEncoder
 from engine.engine import EngineConfig, RolloutEngine
@@ -71,16 +70,12 @@ class Agents:
 
     target_groups: int = 8  # groups a step returns
     n_samples: int = 4
-    num_steps: int = 6
-    over_sampling: float = 4.0  # turn_partial: groups in flight per group a step returns
+    num_steps: int = 10
+    over_sampling: float = 5.0  # turn_partial: groups in flight per group a step returns
     refill: float = 0.0  # turn_partial: more groups a step may start in its tail (EngineConfig.refill)
     scheduling: str = "fifo"  # turn_partial's priority policy (EngineConfig.policy)
     max_staleness: int = 3
-    max_requests: int = 30
-    request_tail: float = 0.9  # Pareto shape of the number of requests: P(n >= k) = k ** -tail, capped
-    tool_median_s: float = 0.6
-    tool_sigma: float = 1.0
-    tool_max_s: float = 10.0
+    plan: AgentPlan = field(default_factory=AgentPlan)  # what each agent does (its requests, its tool times)
     max_new_tokens: int = 512
     generation_slots: int = 0  # requests on the server at once (0: twice its running cap, so its queue never runs dry)
     server: SimConfig = field(
@@ -90,43 +85,10 @@ class Agents:
 
 SIZES = {
     "default": Agents(),
-    "small": Agents(target_groups=2, n_samples=2, num_steps=2, over_sampling=3.0, max_requests=6, tool_median_s=0.1,
-                    tool_max_s=0.5, server=SimConfig(max_running=4, median_tokens=20.0, max_turn_tokens=80)),
+    "small": Agents(target_groups=2, n_samples=2, num_steps=2, over_sampling=3.0,
+                    plan=AgentPlan(max_requests=6, tool_median_s=0.1, tool_max_s=0.5),
+                    server=SimConfig(max_running=4, median_tokens=20.0, max_turn_tokens=80)),
 }  # fmt: skip
-
-
-class SimulatedAgent(AgentEnv):
-    """An agent program in this process: `plan` requests, a tool run between each, a reward at the end."""
-
-    timeout_s = 600.0
-
-    def __init__(self, seed: int, config: Agents, http: httpx.AsyncClient, counts: Counter[str]):
-        rng = random.Random(seed)
-        self.requests = min(config.max_requests, int(rng.paretovariate(config.request_tail)))
-        self.tool_s = [
-            min(config.tool_max_s, rng.lognormvariate(math.log(config.tool_median_s), config.tool_sigma))
-            for _ in range(self.requests)
-        ]
-        self.reward = float(rng.random() < 0.5)
-        self.http, self.counts = http, counts
-
-    async def run(self, agent: AgentRun) -> dict[str, Any]:
-        client = openai.AsyncOpenAI(
-            base_url=agent.base_url, api_key=agent.api_key, http_client=self.http, max_retries=0
-        )
-        messages: list[dict[str, Any]] = [
-            {"role": "system", "content": "You are a coding agent. Use the tools."},
-            {"role": "user", "content": f"Task {agent.session_id[:8]}: fix the failing test."},
-        ]
-        for index in range(self.requests):
-            reply = await client.chat.completions.create(model=agent.model, messages=messages)
-            self.counts["requests"] += 1
-            messages.append(reply.choices[0].message.model_dump(exclude_none=True))
-            if index + 1 == self.requests:
-                break
-            await anyio.sleep(self.tool_s[index])  # the agent's tool (a test run, a search)
-            messages.append({"role": "user", "content": f"Tool output {index}: 3 passed, 1 failed."})
-        return {"reward": self.reward}
 
 
 @dataclass
@@ -153,21 +115,19 @@ def engine_config(config: Agents, policy: str) -> EngineConfig:
         max_generating=config.generation_slots or 2 * config.server.max_running,
         partial_rollout=partial, over_sampling=over_sampling, max_staleness=config.max_staleness,
         refill=config.refill if partial else 0.0, policy=config.scheduling,
-        max_turns=config.max_requests, max_tokens=64 * 1024, max_new_tokens=config.max_new_tokens, seed=0,
+        max_turns=config.plan.max_requests, max_tokens=64 * 1024, max_new_tokens=config.max_new_tokens, seed=0,
     )  # fmt: skip
 
 
 async def run_policy(policy: str, config: Agents, encoder: ChatEncoder, backend: SGLangBackend, url: str) -> PolicyRun:
-    await sim_post(url, "/sim/reset", {"weight_version": "v0"})
-    await sim_post(url, "/stats/reset")
-    run = PolicyRun(policy, started=time.monotonic())
     rows = ({"prompt": f"task {i}", "metadata": {"task": i}} for i in range(10**9))
-    limits = httpx.Limits(max_connections=4096, max_keepalive_connections=4096)
-    async with httpx.AsyncClient(limits=limits, timeout=600.0, trust_env=False) as http:
+    async with AgentFarm(config.plan) as farm:  # the agents' process, started before the clock as their machines are
+        await sim_post(url, "/sim/reset", {"weight_version": "v0"})
+        await sim_post(url, "/stats/reset")
+        run = PolicyRun(policy, started=time.monotonic())
 
         def build(sample: Any) -> EnvRunner:
-            seed = sample.metadata["task"] * 1_000 + sample.index
-            return EnvRunner(SimulatedAgent(seed, config, http, run.counts))
+            return EnvRunner(FarmAgent(sample.metadata["task"] * 1_000 + sample.index, farm))
 
         settings = engine_config(config, policy)  # the stop tokens: the encoder's, as the engine fills them in
         engine = RolloutEngine(backend=backend, encoder=encoder, env_factory=build, source=rows, config=settings)
@@ -186,6 +146,7 @@ async def run_policy(policy: str, config: Agents, encoder: ChatEncoder, backend:
             async with httpx2.AsyncClient(base_url=url, trust_env=False) as control:
                 run.server = (await control.get("/stats")).raise_for_status().json()
             run.counts.update(engine.agents.gateway.counts)
+        run.counts["requests"] = farm.counts["requests"]
     return run
 
 

@@ -13,6 +13,15 @@ env processes, the server, one of two workers behind sglang-router or in a Backe
 service's Ray actor). Processes are killed mid-step: when the run has made a share (30% to 60%) of the
 generate calls the `none` case made in all; the Ray actor is killed between steps 1 and 2.
 
+The agent cases run agent programs instead of the workload's envs: agent envs (engine/agents/env.py) whose
+agents (the `openai` SDK, 1 to 6 requests each, in a process of their own: benchmarks/agent_farm.py) talk to
+the engine's session gateway, their rewards their own. `agents_none` injects nothing and is what they are
+compared with; the others inject agent crashes, agents that stop asking (until their deadline,
+AGENT_DEADLINE_S), malformed requests before real ones (each must be refused with a 4xx, else its agent
+crashes), and streams left after their first chunk and sent again. Their entries' `injected` holds the
+agents' own counts, the gateway's (bad requests, disconnects, forks, agent exits by outcome) and why agents
+crashed.
+
 DIR/report.json has one entry per case (see `summarize`):
   prompts        taken from the source, returned in a group, held at the end (paused, or done and not yet
                  returned), dropped by a filter, lost (taken and none of those: must be 0), returned twice
@@ -63,6 +72,7 @@ import anyio
 import httpx2
 import numpy as np
 
+from benchmarks.agent_farm import AgentFarm, AgentFaults, AgentPlan, FarmAgent
 from benchmarks.faults_servers import (
     ProcessUnavailable,
     RouterProcess,
@@ -90,6 +100,10 @@ STEP_TIMEOUT_S = 1.5  # the env step timeout (the env's slowest step: 30 x its 3
 HANG_S = 3 * STEP_TIMEOUT_S  # a hung env step returns after this long (the engine has given up on it by then)
 FAULT_STEP = 1  # the Ray actor is killed after this step
 KILL_FROM, KILL_TO = 0.3, 0.6  # processes are killed mid-step, between these shares of the `none` case's calls
+AGENT_DEADLINE_S = 10.0  # an agent's deadline in the agent cases (the slowest of `agents_none` takes a few seconds)
+AGENT_PLAN = AgentPlan(max_requests=6, tool_median_s=0.05, tool_max_s=0.5)  # the agent cases': short sessions
+
+
 SGLANG_COVERS = (
     "--sglang runs every case against real SGLang 0.5.23 servers on CPU (tests/sglang_cpu/server.py: the tiny "
     "random-weight Qwen2.5-VL model): the env, reward, env-process and Ray-actor cases unchanged, against one "
@@ -146,6 +160,7 @@ class Case:
     topology: str = "single"  # single | router (two servers behind sglang-router) | pool (two in a BackendPool)
     kill_worker: bool = False  # the second of two servers SIGKILLed mid-step, for good
     ray: bool = False  # the rollout service in a Ray actor, killed and created again between steps
+    agents: AgentFaults | None = None  # agent programs through the gateway instead of the workload's envs
 
 
 CASES = (
@@ -216,6 +231,28 @@ CASES = (
         ray=True,
     ),
     Case(
+        "agents_none",
+        "agent programs (benchmarks/agent_farm.py, the `openai` SDK) through the session gateway, no faults: the "
+        "agent cases' baseline",
+        agents=AgentFaults(),
+    ),
+    Case("agent_crash", "20% of agents raise partway (before one of their requests)", agents=AgentFaults(crash=0.2)),
+    Case(
+        "agent_hang",
+        f"10% of agents stop partway and never ask again, until their {AGENT_DEADLINE_S:g} s deadline",
+        agents=AgentFaults(hang=0.1),
+    ),
+    Case(
+        "agent_malformed_requests",
+        "20% of requests preceded by a malformed one (not JSON, n=2, a tool result for no call, an unknown session)",
+        agents=AgentFaults(malformed=0.2),
+    ),
+    Case(
+        "agent_disconnect",
+        "20% of requests first sent streaming, the stream left after its first chunk, then sent again",
+        agents=AgentFaults(disconnect=0.2),
+    ),
+    Case(
         "all",
         "all at once: env exceptions 1%, hangs 1%, malformed 1.5%; env processes (2 killed); reward errors 5%; "
         "server 5xx 2%, malformed 1%; the server killed and restarted",
@@ -235,6 +272,7 @@ CASES = (
     ),  # fmt: skip
 )
 CASE_NAMES = tuple(case.name for case in CASES)
+BY_NAME = {case.name: case for case in CASES}
 
 
 # -- what a case run collects ------------------------------------------------------------------------------
@@ -396,15 +434,22 @@ class Suite:
         )  # fmt: skip
         self.limits = TurnLimits(max_turns=self.workload.max_turns, max_tokens=size.max_tokens)
         self.retry = RetryPolicy(env_step_timeout_s=STEP_TIMEOUT_S)
-        self.baseline: CaseRun | None = None
+        self.baselines: dict[bool, CaseRun] = {}  # `none` (envs) and `agents_none` (agents), by case.agents given
+
+    def baseline(self, case: Case | None) -> CaseRun | None:
+        """What `case` is compared with: `none`, or for an agent case `agents_none`."""
+        return self.baselines.get(case is not None and case.agents is not None)
         self.primary: Any = None
 
-    def config(self) -> EngineConfig:
+    def config(self, case: Case | None = None) -> EngineConfig:
+        """The engine's settings; for an agent case, staleness bounded at 3 versions (sessions run for several
+        steps: past the bound they end STALE, and the long-tail env's bound of 1 would end most)."""
         s = self.size
         return EngineConfig(
             n_samples_per_prompt=s.n_samples, max_inflight=math.ceil(s.target_groups * s.over_sampling) * s.n_samples,
             max_generating=s.server.max_running, max_env_steps=s.max_env_steps, policy=s.scheduling,
-            partial_rollout=True, over_sampling=s.over_sampling, max_staleness=1, on_stale="restart",
+            partial_rollout=True, over_sampling=s.over_sampling, on_stale="restart",
+            max_staleness=3 if case is not None and case.agents is not None else 1,
             limits=self.limits, sampling=self.sampling, retry=self.retry, seed=self.seed,
         )  # fmt: skip
 
@@ -412,14 +457,16 @@ class Suite:
         """A step past this is a hang: 10 x the baseline's slowest step, at least the servers' `min_step_limit_s`
         (60 s simulated, longer on a CPU SGLang server); for a case that restarts the server, plus three times what
         the suite's server took to start (a real SGLang start is long)."""
-        slowest = max(self.baseline.step_seconds, default=0.0) if self.baseline else 0.0
+        baseline = self.baseline(case)
+        slowest = max(baseline.step_seconds, default=0.0) if baseline else 0.0
         restart = 3 * self.primary_start_s if case is not None and case.restart_server else 0.0
         return max(self.servers.min_step_limit_s, 10 * slowest) + restart
 
     def trigger_calls(self, share: float) -> int:
         """The generate call at which a kill happens: `share` of the calls the `none` case made in all (a
         step's own count depends on what the step before left paused; the run's does not much)."""
-        made = sum(self.baseline.calls_per_step) if self.baseline and self.baseline.calls_per_step else 60
+        baseline = self.baseline(None)
+        made = sum(baseline.calls_per_step) if baseline and baseline.calls_per_step else 60
         return max(2, round(share * made))
 
     async def run(
@@ -441,9 +488,9 @@ class Suite:
                     if not self.primary.is_running:
                         await anyio.to_thread.run_sync(self.primary.start)
                 else:
-                    if case.name == "none":
-                        self.baseline = run
-                    results[case.name] = summarize(case, run, self.baseline, self.retry)
+                    if case.name in ("none", "agents_none"):
+                        self.baselines[case.agents is not None] = run
+                    results[case.name] = summarize(case, run, self.baseline(case), self.retry)
                 results[case.name]["case_seconds"] = round(time.monotonic() - started, 2)
                 self.log(line(case.name, results[case.name]))
                 on_case()
@@ -527,11 +574,22 @@ class Suite:
             for client in clients:
                 await stack.enter_async_context(client)
             backend = CallTriggers(clients[0] if len(clients) == 1 else BackendPool(clients, cooldown_s=2.0))
+            if case.agents is None:
+                factory = self._env_factory(case, env_log)
+            else:  # the agents report their rewards (info["reward"]): no reward function
+                farm = await stack.enter_async_context(AgentFarm(AGENT_PLAN, case.agents))
+                factory, reward = self._agent_factory(farm), None
             engine = RolloutEngine(
-                backend=backend, encoder=self.encoder, env_factory=self._env_factory(case, env_log), source=source,
-                config=self.config(), reward_fn=reward,
+                backend=backend, encoder=self.encoder, env_factory=factory, source=source,
+                config=self.config(case), reward_fn=reward,
             )  # fmt: skip
             await self._drive(case, run, engine, backend, servers)
+            if case.agents is not None:
+                run.injected["agents"] = dict(sorted(farm.counts.items()))
+                run.injected["agent_errors"] = dict(farm.errors.most_common(10))
+                counted = ("bad_requests:", "disconnects", "forks:", "agent_exits:")
+                gateway = engine.agents.gateway.counts
+                run.injected["gateway"] = {k: v for k, v in sorted(gateway.items()) if k.startswith(counted)}
         run.taken = list(source.taken)
         run.injected["env"] = env_log.snapshot()["injected"]
         run.injected["env_calls"] = env_log.snapshot()["calls"]
@@ -540,6 +598,14 @@ class Suite:
         if servers[0].is_running:
             with contextlib.suppress(httpx2.HTTPError):
                 run.injected["server"] = await front.counts()
+
+    @staticmethod
+    def _agent_factory(farm: AgentFarm) -> Callable[[EnvSample], EnvRunner]:
+        def factory(sample: EnvSample) -> EnvRunner:
+            seed = sample.metadata["prompt_id"] * 1_000 + sample.index
+            return EnvRunner(FarmAgent(seed, farm, timeout_s=AGENT_DEADLINE_S))
+
+        return factory
 
     def _env_factory(self, case: Case, log: FaultLog) -> Callable[[EnvSample], EnvRunner]:
         workload, spec = self.workload, case.env
@@ -817,8 +883,12 @@ async def run_suite(
 ) -> dict[str, Any]:
     """The report as a dict: one entry per case under "faults" (`none` first, always), the config, the notes;
     `on_case(report)` after each case, with the entries so far. `servers`: default simulated ones."""
-    if "none" not in [c.name for c in cases]:
+    names = [c.name for c in cases]
+    if "none" not in names:
         cases = [CASES[0], *cases]
+    if any(c.agents is not None for c in cases) and "agents_none" not in names:  # first of the agent cases
+        at = next(i for i, c in enumerate(cases) if c.agents is not None)
+        cases = [*cases[:at], BY_NAME["agents_none"], *cases[at:]]
     suite = Suite(size, seed=seed, log=log, workdir=workdir, servers=servers)
     report: dict[str, Any] = {
         "server": suite.servers.kind,

@@ -1039,7 +1039,12 @@ AGENT_CASES = [  # the API, the body, the status, the error message (or its star
     ),
     pytest.param(
         CHAT, {"messages": [{"role": "tool", "content": "x"}]}, 400,
-        "messages[0] is a tool message without tool_call_id", id="tool-result-for-no-call",
+        "messages[0] is a tool message without tool_call_id", id="tool-message-without-id",
+    ),
+    pytest.param(
+        CHAT, {"messages": [*USER, {"role": "tool", "tool_call_id": "call_9", "content": "42"}]}, 400,
+        "a tool result answers tool call 'call_9', which no assistant turn before it made",
+        id="tool-result-for-no-call",
     ),
     pytest.param(
         CHAT, {"messages": USER, "temperature": 0.3}, 400, "temperature: the rollout's sampling settings rule",
@@ -1059,10 +1064,22 @@ AGENT_CASES = [  # the API, the body, the status, the error message (or its star
         "tools[0] is a 'web_search' tool; the gateway serves function tools", id="non-function-tool",
     ),
     pytest.param(
+        RESPONSES, {"input": [{"role": "user", "content": "x"},
+                              {"type": "function_call_output", "call_id": "call_9", "output": "42"}]}, 400,
+        "a tool result answers tool call 'call_9', which no assistant turn before it made",
+        id="function-call-output-for-no-call",
+    ),
+    pytest.param(
         MESSAGES, {"max_tokens": 8, "messages": [{"role": "user", "content": TOOL_USE}]}, 400,
         "messages.0.content.0: a 'tool_use' block has no place in a user message", id="block-out-of-place",
     ),
     pytest.param(MESSAGES, {"messages": USER}, 400, "max_tokens: Field required", id="no-max-tokens"),
+    pytest.param(
+        MESSAGES, {"max_tokens": 8, "messages": [{"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_9", "content": "42"}]}]}, 400,
+        "a tool result answers tool call 'toolu_9', which no assistant turn before it made",
+        id="tool-result-block-for-no-call",
+    ),
 ]  # fmt: skip
 
 

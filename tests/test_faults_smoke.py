@@ -153,7 +153,7 @@ def test_no_fault_loses_a_prompt_or_breaks_the_engine(suite, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [n for n in ENGINE_CASES if n != "none"])
+@pytest.mark.parametrize("name", [n for n in ENGINE_CASES if n not in ("none", "agents_none")])  # the baselines
 def test_each_fault_is_injected_and_shows_in_the_figures(suite, name):
     entry, case = entry_of(suite[0], name), BY_NAME[name]
     injected, actions, spent = entry["injected"], entry["actions"], entry["retries"]["spent_by_class"]
@@ -179,10 +179,35 @@ def test_each_fault_is_injected_and_shows_in_the_figures(suite, name):
         assert spent.get("connection", 0) > 0, spent
     if case.kill_worker:
         assert any(a["action"] == "kill one of two servers for good" for a in actions)
-    if required and not case.kill_worker:  # behind a router, the router's own retries may hide a dead worker
+    if case.agents is not None:
+        assert_agent_faults_shown(entry, case.agents)
+    elif required and not case.kill_worker:  # behind a router, the router's own retries may hide a dead worker
         assert failed + sum(spent.values()) > 0, (failed, spent)
     assert entry["throughput"]["relative_to_none"] > 0
     assert entry["steps"]["inflation_p50"] > 0 and entry["steps"]["inflation_mean"] > 0
+
+
+def assert_agent_faults_shown(entry: dict, faults) -> None:
+    """An agent case: its faults were injected, and each shows where it should (the agents' own counts, from their
+    process; the gateway's counts; the trajectories' statuses)."""
+    agents, gateway = entry["injected"]["agents"], entry["injected"]["gateway"]
+    by_class = entry["trajectories"]["failed_by_error_class"]
+    assert agents["requests"] > 0 and gateway.get("agent_exits:finished", 0) > 0
+    assert set(by_class) <= {"agent"}, by_class  # an agent's fault fails its own session, as an agent error
+    if faults.crash:
+        assert agents["crashed"] > 0 and gateway["agent_exits:crashed"] >= agents["crashed"], (agents, gateway)
+        assert by_class.get("agent", 0) > 0
+    if faults.hang:
+        assert agents["hung"] > 0, agents
+    if faults.malformed:  # each one refused with a 4xx in the API's format (else its agent crashes), counted
+        sent = sum(v for k, v in agents.items() if k.startswith("malformed_sent:"))
+        assert sent > 0 and agents["malformed_refused"] == sent, agents
+        assert gateway.get("bad_requests:400", 0) + gateway.get("bad_requests:404", 0) >= sent, gateway
+    if faults.disconnect:  # the same request again after leaving its stream: the one reply, no fork
+        assert agents["disconnects"] > 0, agents
+        assert not any(k.startswith("forks:") for k in gateway), gateway
+    if faults.malformed or faults.disconnect:
+        assert entry["trajectories"]["by_status"].get("failed", 0) == 0 and "crashed" not in agents, entry
 
 
 @pytest.mark.slow

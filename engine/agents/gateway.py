@@ -37,7 +37,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from engine.agents import anthropic_messages, openai_chat, openai_responses
-from engine.agents.history import same
+from engine.agents.history import same, unanswerable
 from engine.agents.request import RequestError
 from engine.agents.session import Chain, Session, SessionEnv
 from engine.encoding import images_of
@@ -290,6 +290,10 @@ class Gateway:
         if self.scheduler.encoder.processor is None and images_of(messages):
             raise RequestError(
                 "the request holds images, but the policy takes none (no VLM processor)", param="messages"
+            )
+        if (call := unanswerable(messages)) is not None:
+            raise RequestError(
+                f"a tool result answers tool call {call!r}, which no assistant turn before it made", param="messages"
             )
         chain, fit = session.route(messages, tools)
         if chain is not None and fit.repeat:  # a client's retry of a request in flight or answered: one reply

@@ -50,6 +50,18 @@ def continues(history: list[dict[str, Any]], messages: list[dict[str, Any]]) -> 
     return Fit(new=list(new))
 
 
+def unanswerable(messages: list[dict[str, Any]]) -> str | None:
+    """The call id of the first tool result that answers no call an assistant message before it made, else None
+    (each API refuses such a conversation; a template would render the result as if a call had been made)."""
+    made: set[Any] = set()
+    for message in messages:
+        if message.get("role") == "assistant":
+            made.update(call.get("id") for call in message.get("tool_calls") or () if isinstance(call, dict))
+        elif message.get("role") == "tool" and message.get("tool_call_id") not in made:
+            return str(message.get("tool_call_id"))
+    return None
+
+
 def same(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
     """Whether two conversations are the same messages."""
     return len(a) == len(b) and all(key(x) == key(y) for x, y in zip(a, b, strict=True))
