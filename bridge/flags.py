@@ -318,7 +318,7 @@ FLAGS: tuple[Flag, ...] = (
     # -- the SGLang router and server flags slime adds or re-exposes -----------------------------
     Flag(
         "sglang_router_ip", "--sglang-router-ip", None, _H,
-        "With the port: Turnstile's router; workers are found through it and every request goes through it.",
+        "With the port: Turnstile's router; its workers are found through it (generation: see --router-policy).",
     ),
     Flag(
         "sglang_router_port", "--sglang-router-port", None, _H,
@@ -334,7 +334,8 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         "router_policy", "--router-policy", "cache_aware", _H,
-        "Turnstile always sends the routing key: manual and consistent_hashing pin a trajectory; others ignore it.",
+        "consistent_hashing, manual: generation through the router, pinned by the routing key; others (cache_aware, "
+        "the default) do not pin, so it goes to the router's workers, a trajectory kept on one (session_routing).",
     ),
     Flag(
         "sglang_enable_deterministic_inference", "--sglang-enable-deterministic-inference", False, _H,

@@ -15,9 +15,10 @@ Ray actor (`ray_actor` in the `turnstile:` settings; created on first use, attac
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
-from collections.abc import Awaitable
-from contextlib import closing, nullcontext
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, closing, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -39,6 +40,8 @@ from engine.metrics.recorder import MetricsRecorder
 from engine.metrics.summary import step_summary
 from engine.source import QueueSource
 from engine.trajectory import Group, Trajectory
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -70,6 +73,41 @@ class EvalDataset:
     max_tokens: int
     reward_key: str | None = None
     max_context_len: int | None = None  # slime's eval_max_context_len (default: the rollout's window)
+
+
+PINNING_POLICIES = ("consistent_hashing", "manual")  # sglang-router's policies that route by X-SMG-Routing-Key
+
+
+@asynccontextmanager
+async def routed_backend(
+    url: str, *, router_policy: str | None, routing: str = "auto", image_token_id: int | None = None
+) -> AsyncIterator[Backend]:
+    """The backend for slime's `--sglang-router-ip/port`: the router itself, or a pool of the workers it lists.
+
+    Turnstile sends each trajectory's key as X-SMG-Routing-Key, but sglang-router pins a key to one worker only
+    under consistent_hashing or manual; under its default, cache_aware, a trajectory's turns drift between
+    workers as their prefixes' matches change (and lose the prefix cache of the worker they left). With
+    `routing` "auto", generation then goes to the workers the router lists at start, in a BackendPool whose
+    affinity placement keeps a trajectory on its worker (engine/backends/pool.py); control calls go to each
+    worker as they do behind the router. Workers the router gains later are not used until the next start."""
+    from engine.backends.pool import BackendPool
+    from engine.backends.sglang import SGLangBackend
+
+    async with SGLangBackend(url, image_token_id=image_token_id) as router:
+        policy = router_policy or "cache_aware"  # sglang-router's own default, as slime starts it
+        pins = policy in PINNING_POLICIES
+        if not router.is_router or routing == "router" or (routing == "auto" and pins):
+            yield router
+            return
+        urls = await router.worker_urls()
+        why = f"its policy, {policy}, does not keep a trajectory on one worker" if not pins else "session_routing"
+        log.warning(
+            "generation goes to the %d workers of sglang-router at %s directly, each trajectory kept on one (%s)",
+            len(urls), url, why,
+        )  # fmt: skip
+        workers = [SGLangBackend(u, image_token_id=image_token_id) for u in urls]
+        async with BackendPool(workers, policy="affinity") as pool:
+            yield pool
 
 
 class RolloutService:
@@ -127,12 +165,15 @@ class RolloutService:
         )  # fmt: skip
         return engine
 
-    def _backend(self):
+    def _backend(self) -> AbstractAsyncContextManager[Backend]:
         s = self.settings
         if s.url is not None:
-            from engine.backends.sglang import SGLangBackend
-
-            return SGLangBackend(s.url, image_token_id=self.encoder.image_token_id)
+            return routed_backend(
+                s.url,
+                router_policy=s.router_policy,
+                routing=s.session_routing,
+                image_token_id=self.encoder.image_token_id,
+            )
         from engine.backends.local import LocalBackend
         from engine.models import load_model
 

@@ -103,6 +103,7 @@ def settings_from_args(args: Any) -> BridgeSettings:
         "skip_special_tokens": bool(get("rollout_skip_special_tokens", False)),
         "sampling_seed_base": (seed if seed is not None else 42) if deterministic else None,
         "num_gpus": get("rollout_num_gpus"),
+        "router_policy": get("router_policy"),
     }
     values = {key: value for key, value in from_slime.items() if value is not None}
     values.update(_filled(get, own, values))

@@ -355,6 +355,13 @@ class Settings(EngineConfig):
     """Rollout GPUs, dividing the per-GPU throughput metrics (none or 0: no per-GPU metrics)."""
     ray_actor: Annotated[str | None, Only("slime")] = None
     """Host the engine in this named, detached Ray actor (none: in slime's rollout process)."""
+    router_policy: Annotated[str | None, Slime("`--router-policy`"), Only("slime")] = None
+    """The policy slime starts sglang-router with (none: the router's default, cache_aware)."""
+    session_routing: Annotated[Literal["auto", "router", "workers"], Only("slime")] = "auto"
+    """Behind slime's sglang-router, where generation goes. auto: through the router when its policy pins a
+    trajectory's turns to one worker by the routing key Turnstile sends (consistent_hashing, manual), else to
+    the workers the router lists at start, placed by Turnstile's affinity (a trajectory stays on the worker
+    holding its prefix); router, workers: always that way."""
 
     @model_validator(mode="after")
     def _env_worker_knobs(self) -> Self:

@@ -275,3 +275,60 @@ def test_turnstile_run_fails_in_one_line_when_the_routers_workers_are_down(tmp_p
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2
     assert len(err) == 1 and err[0].startswith(expected), err
+
+
+# -- the bridge behind slime's router: its default policy does not pin a trajectory --------------------------
+
+
+async def turns_through(backend, sessions: list[str], turns: int) -> None:
+    for turn in range(turns):
+        for session in sessions:  # a conversation's prompt grows turn by turn, as a trajectory's does
+            await backend.generate(list(range(1, 8 * (turn + 1))), PARAMS, session_id=session)
+
+
+def sessions_sent_directly(double: SGLangDouble) -> list[str]:
+    return [r.headers["x-smg-routing-key"] for r in direct(double, "/generate")]
+
+
+@pytest.mark.anyio
+async def test_under_the_routers_default_policy_the_bridge_keeps_each_trajectory_on_one_worker(doubles, caplog):
+    from bridge.service import routed_backend
+
+    sessions = [f"traj-{i}" for i in range(16)]
+    router = SGLangRouter([d.url for d in doubles], policy="cache_aware")
+    with router, caplog.at_level(logging.WARNING, logger="bridge.service"):
+        async with routed_backend(router.url, router_policy=None) as backend:  # slime's default: cache_aware
+            await turns_through(backend, sessions, turns=3)
+    assert "generation goes to the 2 workers of sglang-router" in caplog.text and "cache_aware" in caplog.text
+    assert not forwarded(doubles[0]) and not forwarded(doubles[1])  # straight to the workers, not via the router
+    on = [set(sessions_sent_directly(d)) for d in doubles]
+    assert on[0] | on[1] == set(sessions) and not on[0] & on[1]  # every turn of a trajectory on one worker
+    assert on[0] and on[1]  # and the trajectories spread over both
+    assert all(len(sessions_sent_directly(d)) == 3 * len(on[i]) for i, d in enumerate(doubles))
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("policy", "routing"), [("manual", "auto"), ("cache_aware", "router")])
+async def test_a_pinning_policy_or_session_routing_router_keeps_generation_on_the_router(doubles, policy, routing):
+    from bridge.service import routed_backend
+
+    with SGLangRouter([d.url for d in doubles], policy=policy) as router:
+        async with routed_backend(router.url, router_policy=policy, routing=routing) as backend:
+            assert isinstance(backend, SGLangBackend) and backend.is_router
+            await turns_through(backend, ["traj-0", "traj-1"], turns=2)
+    assert len(forwarded(doubles[0]) + forwarded(doubles[1])) == 4
+    assert not direct(doubles[0], "/generate") and not direct(doubles[1], "/generate")
+
+
+def test_the_bridge_reads_slimes_router_policy_and_its_own_session_routing():
+    from types import SimpleNamespace
+
+    from bridge.settings import settings_from_args
+
+    args = SimpleNamespace(sglang_router_ip="127.0.0.1", sglang_router_port=1, router_policy="manual")
+    assert settings_from_args(args).router_policy == "manual" and settings_from_args(args).session_routing == "auto"
+    args.turnstile = {"session_routing": "workers"}
+    assert settings_from_args(args).session_routing == "workers"
+    args.turnstile = {"router_policy": "random"}
+    with pytest.raises(ValueError, match="router_policy"):  # slime's flag decides it
+        settings_from_args(args)

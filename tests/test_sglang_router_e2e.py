@@ -160,3 +160,36 @@ def test_generate_rollout_through_sglang_router_in_front_of_two_servers(router, 
     sums = evaluation.data["sums"]
     assert [s.label for s in sums["samples"]] == ["2", "4", "6"]
     assert sums["rewards"] == [hooks.length_reward(s) for s in sums["samples"]]
+
+
+@pytest.mark.slow
+def test_under_the_routers_default_policy_every_turn_of_a_trajectory_reaches_one_worker(sglang_workers):
+    """slime starts the router with cache_aware unless told otherwise, and cache_aware ignores the routing key:
+    the bridge then sends generation to the router's workers itself, each trajectory kept on one."""
+    from engine.models import load_processor
+
+    model_path = sglang_workers[0].model_path
+    processor = load_processor(str(model_path))
+    with SGLangRouter([w.url for w in sglang_workers], policy="cache_aware") as router:
+        host, port = router.url.removeprefix("http://").split(":")
+        args = SimpleNamespace(
+            n_samples_per_prompt=N_SAMPLES, rollout_batch_size=TARGET, over_sampling_batch_size=2 * TARGET,
+            partial_rollout=True, max_turns=3, rollout_interaction_env_path="tests.envs.flaky_vision",
+            hf_checkpoint=str(model_path), sglang_router_ip=host, sglang_router_port=int(port),
+            router_policy="cache_aware", apply_chat_template=True, rollout_max_response_len=192,
+            turnstile={"max_new_tokens": 24, "max_staleness": 2},
+        )  # fmt: skip
+        source = VisionDataSource(N_SAMPLES, seed=200, render=processor, max_attempts=3)  # --apply-chat-template
+        returned: list[Sample] = []
+        try:
+            for step in range(2):
+                out = generate_rollout(args, step, source)
+                returned += [s for g in out.samples for s in g]
+                update_weights(sglang_workers, model_path, f"v{step + 1}")
+        finally:
+            getattr(args, SERVICE_ATTRIBUTE).shutdown()
+    routed = sessions_by_worker(sglang_workers)
+    turns = {s.session_id: len(s.metadata["turns"]) for s in returned}
+    assert all(len(routed[s.session_id]) == 1 for s in returned), {s.session_id: routed[s.session_id] for s in returned}
+    assert {w for s in returned for w in routed[s.session_id]} == {0, 1}
+    assert sum(turns.values()) > len(turns)  # trajectories of several turns, each on one worker

@@ -147,6 +147,10 @@ class SGLangBackend:
                 self._workers[url] = HTTPServer(self._client, url, name)
         return [self._workers[url] for url in urls]
 
+    async def worker_urls(self) -> list[str]:
+        """The URLs of the router's workers as it lists them now; the server's own, when this is a server."""
+        return [server.url for server in await self._control_servers()]
+
     async def _each(
         self, what: str, call: Callable[[HTTPServer], Awaitable[T]], *, strict: bool = False
     ) -> dict[str, T]:
