@@ -248,9 +248,12 @@ def make_prompts(n, seed=0, vision=False):
 
 
 def turnstile(*argv: str, **kw) -> subprocess.Popen:
+    """`turnstile` as a terminal starts it: Ctrl-C (SIGINT) at its default, even where the tests' own process was
+    started with SIGINT ignored (a background job of a non-interactive shell is), which a child would inherit."""
     return subprocess.Popen(
-        [sys.executable, "-m", "engine.cli", *argv], stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, **kw
-    )
+        [sys.executable, "-m", "engine.cli", *argv], stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL), **kw,
+    )  # fmt: skip
 
 
 def test_a_hung_env_fails_its_trajectory_on_its_budget_and_the_process_exits_naming_the_calls_left(tmp_path):
