@@ -234,9 +234,10 @@ class AgentFarm:
         key = next(self._ids)
         event, result = anyio.Event(), []
         self._waiting[key] = (event, result)
-        start = {"op": "start", "id": key, "seed": seed, "model": agent.model, "session_id": agent.session_id}
+        start = {"op": "start", "id": key, "seed": seed, "model": agent.model, "session_id": agent.session_id,
+                 "base_url": agent.base_url, "api_key": agent.api_key}  # fmt: skip
         try:
-            await self._send({**start, "base_url": agent.base_url, "api_key": agent.api_key})
+            await self._send(start)
             await event.wait()
         finally:
             if not event.is_set():

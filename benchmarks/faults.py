@@ -434,12 +434,12 @@ class Suite:
         )  # fmt: skip
         self.limits = TurnLimits(max_turns=self.workload.max_turns, max_tokens=size.max_tokens)
         self.retry = RetryPolicy(env_step_timeout_s=STEP_TIMEOUT_S)
-        self.baselines: dict[bool, CaseRun] = {}  # `none` (envs) and `agents_none` (agents), by case.agents given
+        self.baselines: dict[str, CaseRun] = {}  # the runs of `none` (envs) and `agents_none` (agents), by name
+        self.primary: Any = None
 
     def baseline(self, case: Case | None) -> CaseRun | None:
         """What `case` is compared with: `none`, or for an agent case `agents_none`."""
-        return self.baselines.get(case is not None and case.agents is not None)
-        self.primary: Any = None
+        return self.baselines.get("agents_none" if case is not None and case.agents is not None else "none")
 
     def config(self, case: Case | None = None) -> EngineConfig:
         """The engine's settings; for an agent case, staleness bounded at 3 versions (sessions run for several
@@ -489,7 +489,7 @@ class Suite:
                         await anyio.to_thread.run_sync(self.primary.start)
                 else:
                     if case.name in ("none", "agents_none"):
-                        self.baselines[case.agents is not None] = run
+                        self.baselines[case.name] = run
                     results[case.name] = summarize(case, run, self.baseline(case), self.retry)
                 results[case.name]["case_seconds"] = round(time.monotonic() - started, 2)
                 self.log(line(case.name, results[case.name]))
