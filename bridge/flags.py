@@ -129,6 +129,21 @@ FLAGS: tuple[Flag, ...] = (
         "Chunk size of the trainer's weight sync: slime/backends/megatron_utils/update_weight/.",
     ),
     Flag(
+        "update_weight_transport", "--update-weight-transport", "nccl", _H,
+        "slime's trainer pushes weights to its engines this way. With no SGLang engine (--rollout-num-gpus 0), "
+        "disk: each step first loads the newest weight_vNNNNNN of --update-weight-disk-dir into the embedded "
+        "model; anything else leaves the embedded model's weights as they are (refused).",
+    ),
+    Flag(
+        "update_weight_disk_dir", "--update-weight-disk-dir", None, _H,
+        "Where the trainer writes weight_vNNNNNN: SGLang engines load it (sglang_utils), the embedded model too.",
+    ),
+    Flag(
+        "update_weight_disk_keep_files", "--update-weight-disk-keep-files", False, _H,
+        "With no SGLang engine, slime deletes each weight directory as soon as it is written (ray/actor_group.py) "
+        "unless this is set; the embedded model loads them at the next step, so it is required there.",
+    ),
+    Flag(
         "update_weights_interval", "--update-weights-interval", 1, _S,
         "train.py:train and train_async.py:train push weights to the engines every N steps.",
     ),
@@ -359,7 +374,9 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         "rollout_num_gpus", "--rollout-num-gpus", None, _H,
-        "Divides Turnstile's per-GPU throughput metrics, as slime's perf/tokens_per_gpu_per_sec.",
+        "Divides Turnstile's per-GPU throughput metrics, as slime's perf/tokens_per_gpu_per_sec. 0 (without "
+        "--rollout-external): slime starts no SGLang engine, and Turnstile generates with the embedded local "
+        "backend on the model at --hf-checkpoint.",
     ),
     Flag(
         "rollout_num_gpus_per_engine", "--rollout-num-gpus-per-engine", 1, _S,
@@ -466,9 +483,31 @@ def refused(args: Any) -> list[str]:
     return lines
 
 
+def embedded_weight_updates(args: Any) -> list[str]:
+    """With no SGLang engine (--rollout-num-gpus 0) the embedded model takes slime's weights from disk: a
+    line for each flag that would leave it on its first weights without a word."""
+    if getattr(args, "rollout_num_gpus", None) != 0 or getattr(args, "rollout_external", False):
+        return []
+    if getattr(args, "debug_rollout_only", False) or getattr(args, "debug_train_only", False):
+        return []
+    transport, mode = getattr(args, "update_weight_transport", "nccl"), getattr(args, "update_weight_mode", "full")
+    if (transport, mode) != ("disk", "full"):
+        return [
+            f"--update-weight-transport {transport!r} --update-weight-mode {mode!r}: with --rollout-num-gpus 0 "
+            "the embedded model takes the trainer's weights only by disk (--update-weight-transport disk "
+            "--update-weight-mode full --update-weight-disk-dir DIR --update-weight-disk-keep-files)"
+        ]
+    if not getattr(args, "update_weight_disk_keep_files", False):
+        return [
+            "--update-weight-disk-keep-files is not set: with --rollout-num-gpus 0 slime deletes each weight "
+            "directory as soon as the trainer writes it, before the embedded model can load it"
+        ]
+    return []
+
+
 def check_args(args: Any) -> None:
     """Refuse at start, in one error, every slime flag set that Turnstile's rollout cannot honour."""
-    lines = refused(args)
+    lines = refused(args) + embedded_weight_updates(args)
     if lines:
         raise FlagError("Turnstile's rollout cannot run with these slime flags:\n  " + "\n  ".join(lines))
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, closing, nullcontext
@@ -75,6 +76,16 @@ class EvalDataset:
     max_context_len: int | None = None  # slime's eval_max_context_len (default: the rollout's window)
 
 
+WEIGHT_DIRECTORY = re.compile(r"weight_v(\d+)")  # slime's RayTrainGroup: update_weight_disk_dir / weight_v{n:06d}
+
+
+def weight_directories(weights_dir: Path) -> list[tuple[int, Path]]:
+    """(version, directory) of each `weight_vNNNNNN` directory in `weights_dir`."""
+    if not weights_dir.is_dir():
+        return []
+    return [(int(m[1]), p) for p in weights_dir.iterdir() if p.is_dir() and (m := WEIGHT_DIRECTORY.fullmatch(p.name))]
+
+
 PINNING_POLICIES = ("consistent_hashing", "manual")  # sglang-router's policies that route by X-SMG-Routing-Key
 
 
@@ -122,6 +133,7 @@ class RolloutService:
         self._portal = self._portal_cm.__enter__()
         self._source = QueueSource()
         self._step: _Step | None = None
+        self._weights_loaded: tuple[Path, float] | None = None  # the last weight directory loaded, and its mtime
         self.recorder = MetricsRecorder()
         try:
             self._served, _ = self._portal.start_task(self._serve)
@@ -231,6 +243,8 @@ class RolloutService:
             self._step = _Step(rollout_id, time.monotonic(), self.engine.statistics())
         await self._queue([(rollout_id, group) for group in groups])
         self.scoring.rollout_id = rollout_id
+        if self.settings.weights_dir is not None:
+            await self._load_new_weights(Path(self.settings.weights_dir))
         try:
             finished = await self.engine.rollout(target)
         except StepFailedError as exc:  # nothing of it goes to training; the message says why
@@ -319,6 +333,20 @@ class RolloutService:
         return results
 
     # -- weight updates and lifetime -------------------------------------------------------------
+    async def _load_new_weights(self, weights_dir: Path) -> None:
+        """The embedded model under slime's disk weight path: the newest `weight_vNNNNNN` the trainer wrote
+        (by modification time: slime numbers each run's versions from its start, so an earlier run's may have
+        higher numbers), if not loaded yet, loaded as SGLang engines would (generation paused, then resumed by
+        the step on version NNNNNN). Trajectories paused at the end of the last step go on with these weights."""
+        found = max(((p.stat().st_mtime, v, p) for v, p in weight_directories(weights_dir)), default=None)
+        if found is None or (found[2], found[0]) == self._weights_loaded:
+            return
+        written, version, path = found
+        await self.engine.pause()
+        await self.backend.update_weights_from_disk(str(path), str(version))  # type: ignore[attr-defined]
+        self._weights_loaded = (path, written)
+        log.info("the embedded model loaded weight version %d from %s", version, path)
+
     def pause(self) -> None:
         """Generation stops for a weight update (requests in flight are aborted and keep their tokens)."""
         self._portal.call(self.engine.pause)

@@ -357,6 +357,10 @@ class Settings(EngineConfig):
     """Host the engine in this named, detached Ray actor (none: in slime's rollout process)."""
     router_policy: Annotated[str | None, Slime("`--router-policy`"), Only("slime")] = None
     """The policy slime starts sglang-router with (none: the router's default, cache_aware)."""
+    weights_dir: Annotated[str | None, Slime("`--update-weight-disk-dir`"), Only("slime")] = None
+    """Local backend under slime (no SGLang engines, `--update-weight-transport disk`): the directory slime's
+    trainer writes each weight version into, as `weight_vNNNNNN`; each step first loads the newest one not yet
+    loaded, and generation goes on as version NNNNNN."""
     session_routing: Annotated[Literal["auto", "router", "workers"], Only("slime")] = "auto"
     """Behind slime's sglang-router, where generation goes. auto: through the router when its policy pins a
     trajectory's turns to one worker by the routing key Turnstile sends (consistent_hashing, manual), else to

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from itertools import groupby
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -215,6 +216,12 @@ class LocalBackend:
             await anyio.to_thread.run_sync(self._load_weights, state_dict)
             self._weight_version = weight_version
 
+    async def update_weights_from_disk(self, model_path: str, weight_version: str) -> None:
+        """SGLang's `update_weights_from_disk`, for the local model: every `*.safetensors` file of a saved
+        Hugging Face model directory (a trainer's `save_pretrained`), loaded between two steps."""
+        state_dict = await anyio.to_thread.run_sync(read_safetensors, Path(model_path))
+        await self.update_weights(state_dict, weight_version)
+
     async def weight_version(self) -> str | None:
         return self._weight_version
 
@@ -401,6 +408,19 @@ class LocalBackend:
         if unknown := sorted(set(state_dict) - set(self._model.state_dict())):
             raise BackendError(ErrorClass.CLIENT, f"update_weights: unknown parameters {unknown[:5]}")
         self._model.load_state_dict(state_dict, strict=False)
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the `*.safetensors` files in `path`, one state dict."""
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise BackendError(ErrorClass.CLIENT, f"update_weights_from_disk: no *.safetensors file in {path}")
+    state_dict: dict[str, torch.Tensor] = {}
+    for file in files:
+        state_dict.update(load_file(file))
+    return state_dict
 
 
 def _tensor_bytes(tensors: dict[str, torch.Tensor]) -> int:

@@ -94,9 +94,10 @@ WANTED: dict[str, tuple[dict[str, Any], str]] = {
 }
 
 
-def install() -> list[tuple[str, str]]:
-    """Stub each module of WANTED whose real import fails (or lacks a wanted name). Returns what was made."""
-    for module, (names, why) in WANTED.items():
+def install(wanted: dict[str, tuple[dict[str, Any], str]] | None = None) -> list[tuple[str, str]]:
+    """Stub each module of `wanted` (default WANTED) whose real import fails (or lacks a wanted name).
+    Returns what was made."""
+    for module, (names, why) in (WANTED if wanted is None else wanted).items():
         try:
             real = importlib.import_module(module)
             if all(hasattr(real, name) for name in names):

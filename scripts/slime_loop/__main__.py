@@ -1,0 +1,3 @@
+from scripts.slime_loop.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,45 @@
+"""What the CPU trainer does to slime's rollout data and its weights that needs nothing of slime (tested
+without a checkout in tests/test_slime_loop.py)."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def windows(data: dict[str, Any]) -> None:
+    """Each sample cut to its response and the one prompt token before it (`full_tokens` keeps the whole
+    sample for the forward). slime's loss and log-prob code read the logits of response positions only
+    (`logits[start - 1 : end - 1]` of each sample), so the loss is the same; what is saved is the
+    151,936-way output layer, its log-softmax and entropy over the prompt's positions."""
+    data["full_tokens"] = data["tokens"]
+    data["tokens"] = [t[-(r + 1) :] for t, r in zip(data["tokens"], data["response_lengths"], strict=True)]
+    data["total_lengths"] = [r + 1 for r in data["response_lengths"]]
+
+
+def invert_loss_masks(data: dict[str, Any]) -> None:
+    """The negative control: loss mask 1 where the environment wrote and 0 where the model did, with
+    `rollout_mask_sums` recomputed by slime's rule (each rollout's mask total)."""
+    data["loss_masks"] = [1 - m for m in data["loss_masks"]]
+    if "rollout_mask_sums" in data:
+        totals: dict[Any, float] = {}
+        for rid, mask in zip(data["rollout_ids"], data["loss_masks"], strict=True):
+            totals[rid] = totals.get(rid, 0.0) + float(mask.sum())
+        data["rollout_mask_sums"] = torch.tensor([totals[rid] for rid in data["rollout_ids"]], dtype=torch.float32)
+
+
+def save_hf(model: Any, target: Path) -> None:
+    """`save_pretrained` into a sibling temporary directory, then renamed: a reader never sees half of it."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        model.save_pretrained(staging, safe_serialization=True)
+        if target.exists():
+            shutil.rmtree(target)
+        staging.rename(target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)

@@ -1,0 +1,118 @@
+"""slime's own loop on Turnstile, end to end on a CPU: scripts/slime_loop.sh /path/to/slime [options].
+
+For each driver (train.py, train_async.py), seed and control, one run (scripts/slime_loop/run.py, a process
+of its own): slime's driver with Turnstile as the rollout (`bridge.slime.generate_rollout`), the CPU trainer
+(scripts/slime_loop/trainer.py) through `create_training_models`' actor class, weights pushed by slime's disk
+path every step, a held-out eval through slime's eval path every step. The runs' JSON lines become
+`report.json` and `report.png` (scripts/slime_loop/report.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from scripts.slime_loop import report, task
+from scripts.slime_loop.run import REPO
+
+DRIVERS = ("train", "train_async")
+CONTROLS = ("none", "inverted_mask")
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="scripts/slime_loop.sh", description=__doc__.splitlines()[0])
+    p.add_argument("slime", type=Path, help="a checkout of THUDM/slime")
+    p.add_argument("--out", type=Path, default=Path("slime-loop-report"))
+    p.add_argument("--drivers", default=",".join(DRIVERS))
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--controls", default=",".join(CONTROLS), help="none (the run) and/or inverted_mask")
+    p.add_argument("--control-seeds", default="0", help="seeds the negative control runs with")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--prompts-per-step", type=int, default=8)
+    p.add_argument("--train-steps-per-rollout", type=int, default=4)
+    p.add_argument("--samples-per-prompt", type=int, default=8)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--max-operand", type=int, default=task.MAX_OPERAND, help="questions a + b with a, b in 0..N")
+    p.add_argument("--backend", choices=("embedded",), default="embedded")
+    p.add_argument("--slime-commit", default=None)
+    return p.parse_args(argv)
+
+
+def slime_commit(slime: Path, given: str | None) -> str:
+    if given:
+        return given
+    try:
+        return subprocess.run(
+            ["git", "-C", str(slime), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def prepare(out: Path, seed: int, max_operand: int = task.MAX_OPERAND) -> dict[str, str]:
+    """The seed's warm-started model, prompts and custom config (shared by its runs)."""
+    base = out / "inputs" / f"seed{seed}"
+    base.mkdir(parents=True, exist_ok=True)
+    custom = base / "turnstile.yaml"
+    custom.write_text(
+        yaml.safe_dump(
+            {"max_turns": 2, "rollout_interaction_env_path": "engine.envs.arith", "turnstile": {"max_new_tokens": 4}}
+        )
+    )
+    return {
+        "hf_checkpoint": str(task.warm_start(base / "warm_start", seed=seed)),
+        "train_data": str(task.write_prompts(base / "train.jsonl", 4000, seed=1000 + seed, max_operand=max_operand)),
+        "eval_data": str(task.write_prompts(base / "eval.jsonl", 64, seed=2000 + seed, max_operand=max_operand)),
+        "custom_config": str(custom),
+    }
+
+
+def run_one(spec: dict[str, Any]) -> dict[str, Any]:
+    work = Path(spec["work"])
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "spec.json").write_text(json.dumps(spec, indent=2))
+    started = time.monotonic()
+    with open(work / "log.txt", "w") as log:
+        rc = subprocess.run(
+            [sys.executable, "-m", "scripts.slime_loop.run", str(work / "spec.json")],
+            cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=False,
+        ).returncode  # fmt: skip
+    return {"rc": rc, "wall_seconds": time.monotonic() - started}
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = parse(argv)
+    opts.out.mkdir(parents=True, exist_ok=True)
+    commit = slime_commit(opts.slime, opts.slime_commit)
+    runs = []
+    for driver in opts.drivers.split(","):
+        for control in opts.controls.split(","):
+            seeds = opts.seeds if control == "none" else opts.control_seeds
+            for seed in map(int, seeds.split(",")):
+                name = f"{driver}-{opts.backend}-{control}-seed{seed}"
+                spec = {
+                    "name": name, "slime": str(opts.slime.resolve()), "work": str((opts.out / name).resolve()),
+                    "driver": driver, "backend": opts.backend, "control": control, "seed": seed,
+                    "steps": opts.steps, "prompts_per_step": opts.prompts_per_step,
+                    "samples_per_prompt": opts.samples_per_prompt, "eval_samples_per_prompt": 2, "lr": opts.lr,
+                    "train_steps_per_rollout": opts.train_steps_per_rollout,
+                    "partial_rollout": True, **prepare(opts.out, seed, opts.max_operand),
+                }  # fmt: skip
+                print(f"{name}: running", flush=True)
+                result = run_one(spec)
+                print(f"{name}: rc {result['rc']}, {result['wall_seconds']:.0f} s", flush=True)
+                runs.append({**spec, **result})
+    summary = report.write(opts.out, runs, slime_commit=commit)
+    print(json.dumps(summary["verdict"], indent=2))
+    return 0 if summary["verdict"]["passed"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

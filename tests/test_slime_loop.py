@@ -1,0 +1,108 @@
+"""scripts/slime_loop (slime's train.py / train_async.py on Turnstile with a CPU trainer): what of it needs no
+slime checkout, and, with TURNSTILE_SLIME_CHECKOUT set, a short run of slime's own train.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from scripts.slime_loop import report
+from scripts.slime_loop.batches import invert_loss_masks, save_hf, windows
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_windows_keep_each_response_and_the_token_before_it():
+    data = {"tokens": [torch.arange(10), torch.arange(20, 26)], "response_lengths": [3, 5]}
+    windows(data)
+    assert [t.tolist() for t in data["tokens"]] == [[6, 7, 8, 9], [20, 21, 22, 23, 24, 25]]
+    assert data["total_lengths"] == [4, 6]
+    assert [t.tolist() for t in data["full_tokens"]] == [list(range(10)), list(range(20, 26))]
+
+
+def test_the_negative_control_trains_on_the_environments_tokens_with_slimes_mask_sums():
+    data = {
+        "loss_masks": [torch.tensor([1, 1, 0, 0, 0, 1]), torch.tensor([1, 0]), torch.tensor([1, 1])],
+        "rollout_ids": [0, 0, 1],
+        "rollout_mask_sums": torch.tensor([5.0, 5.0, 2.0]),
+    }
+    invert_loss_masks(data)
+    assert [m.tolist() for m in data["loss_masks"]] == [[0, 0, 1, 1, 1, 0], [0, 1], [0, 0]]
+    assert data["rollout_mask_sums"].tolist() == [4.0, 4.0, 0.0]  # each rollout's total, as slime sums them
+
+
+def test_weights_appear_whole_or_not_at_all(tmp_path, monkeypatch):
+    from engine.models import load_model
+
+    model = load_model("tiny-qwen2")
+    save_hf(model, tmp_path / "weight_v000001")
+    assert {p.name for p in tmp_path.iterdir()} == {"weight_v000001"}  # no staging directory left
+    assert (tmp_path / "weight_v000001" / "model.safetensors").exists()
+
+    def fail(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(type(model), "save_pretrained", fail)
+    with pytest.raises(OSError, match="disk full"):
+        save_hf(model, tmp_path / "weight_v000002")
+    assert {p.name for p in tmp_path.iterdir()} == {"weight_v000001"}
+
+
+def write_run(tmp_path: Path, name: str, control: str, evals: list[float], mismatch: float, samples: int = 64):
+    work = tmp_path / name
+    work.mkdir()
+    rows = [{"source": "eval", "rollout_id": 0, "reward": {"heldout": evals[0]}}]
+    for step, reward in enumerate(evals[1:]):
+        rows += [
+            {"source": "rollout", "rollout_id": step, "samples": samples, "reward": reward, "removed": 0,
+             "token_versions": {str(step + 1): 90, str(step): 10}},
+            {"source": "trainer", "rollout_id": step, "trained_on_weight_version": step + 1,
+             "train/train_rollout_logprob_abs_diff": mismatch},
+            {"source": "eval", "rollout_id": step, "reward": {"heldout": reward}},
+        ]  # fmt: skip
+    (work / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return {
+        "name": name, "work": str(work), "driver": "train", "backend": "embedded", "control": control, "seed": 0,
+        "rc": 0, "wall_seconds": 1.0, "steps": len(evals) - 1, "prompts_per_step": 8, "samples_per_prompt": 8,
+    }  # fmt: skip
+
+
+def test_the_verdict_needs_a_rise_from_the_loss_and_none_from_the_control(tmp_path):
+    learned = write_run(tmp_path, "run", "none", [0.2, 0.3, 0.4, 0.5, 0.6, 0.6], mismatch=0.01)
+    flat_control = write_run(tmp_path, "control", "inverted_mask", [0.2, 0.2, 0.1, 0.2, 0.2, 0.2], mismatch=3.0)
+    figures = [report.run_figures(r) for r in (learned, flat_control)]
+    assert figures[0]["eval_rise"] == pytest.approx(0.3667, abs=1e-3)
+    assert figures[0]["staleness"][1] == {"mean": pytest.approx(0.1), "max": 1}  # 10 of 100 tokens one behind
+    assert report.verdict(figures, steps=5) == {"passed": True, "problems": []}
+
+    flat = write_run(tmp_path, "flat", "none", [0.2, 0.2, 0.2, 0.25, 0.2, 0.2], mismatch=0.01)
+    lossy = write_run(tmp_path, "lossy", "none", [0.2, 0.3, 0.4, 0.5, 0.6, 0.6], mismatch=0.01, samples=56)
+    unflagged = write_run(tmp_path, "sneaky", "inverted_mask", [0.2, 0.3, 0.4, 0.5, 0.6, 0.6], mismatch=0.01)
+    problems = report.verdict([report.run_figures(r) for r in (flat, lossy, unflagged)], steps=5)["problems"]
+    assert [p.split(":")[0] for p in problems] == ["flat", "lossy", "sneaky"]
+    assert "5 prompts lost" in problems[1]  # 8 samples short of 64 at each of 5 steps: a group of 8 each
+
+
+@pytest.mark.skipif(
+    not os.environ.get("TURNSTILE_SLIME_CHECKOUT"),
+    reason="set TURNSTILE_SLIME_CHECKOUT to a slime checkout to run slime's own train.py on Turnstile",
+)
+def test_slimes_train_py_runs_two_steps_on_the_embedded_model(tmp_path):
+    checkout = os.environ["TURNSTILE_SLIME_CHECKOUT"]
+    cmd = [sys.executable, "-m", "scripts.slime_loop.main", checkout, "--out", str(tmp_path), "--drivers", "train",
+           "--seeds", "0", "--controls", "none", "--steps", "2"]  # fmt: skip
+    subprocess.run(cmd, cwd=ROOT, timeout=900, check=False)
+    summary = json.loads((tmp_path / "report.json").read_text())
+    (run,) = summary["runs"]
+    assert run["rc"] == 0 and run["steps_trained"] == 2 and run["prompts_lost"] == 0
+    assert len(run["eval_reward"]) == 3  # before training, then after each step
+    assert run["mismatch"][0] == pytest.approx(0.0, abs=1e-4)  # step 0: the trainer's weights made every token
+    assert sorted(p.name for p in (tmp_path / run["name"] / "weights").iterdir())[:3] == [
+        "weight_v000001", "weight_v000002", "weight_v000003",
+    ]  # fmt: skip
