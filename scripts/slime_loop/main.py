@@ -4,7 +4,8 @@ For each driver (train.py, train_async.py), seed and control, one run (scripts/s
 of its own): slime's driver with Turnstile as the rollout (`bridge.slime.generate_rollout`), the CPU trainer
 (scripts/slime_loop/trainer.py) through `create_training_models`' actor class, weights pushed by slime's disk
 path every step, a held-out eval through slime's eval path every step. The runs' JSON lines become
-`report.json` and `report.png` (scripts/slime_loop/report.py).
+`report.json` and `report.png` (scripts/slime_loop/report.py), over every run in --out (earlier invocations'
+too: runs can be added one at a time).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-operand", type=int, default=task.MAX_OPERAND, help="questions a + b with a, b in 0..N")
     p.add_argument("--backend", choices=("embedded",), default="embedded")
     p.add_argument("--slime-commit", default=None)
+    p.add_argument("--report-only", action="store_true", help="only rebuild the report from the runs in --out")
     return p.parse_args(argv)
 
 
@@ -84,15 +86,24 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
             [sys.executable, "-m", "scripts.slime_loop.run", str(work / "spec.json")],
             cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=False,
         ).returncode  # fmt: skip
-    return {"rc": rc, "wall_seconds": time.monotonic() - started}
+    result = {"rc": rc, "wall_seconds": time.monotonic() - started}
+    (work / "result.json").write_text(json.dumps(result))
+    return result
+
+
+def runs_in(out: Path) -> list[dict[str, Any]]:
+    """Every run under `out` that ended (this invocation's and earlier ones'), spec and result."""
+    runs = []
+    for result in sorted(out.glob("*/result.json")):
+        runs.append({**json.loads((result.parent / "spec.json").read_text()), **json.loads(result.read_text())})
+    return runs
 
 
 def main(argv: list[str] | None = None) -> int:
     opts = parse(argv)
     opts.out.mkdir(parents=True, exist_ok=True)
     commit = slime_commit(opts.slime, opts.slime_commit)
-    runs = []
-    for driver in opts.drivers.split(","):
+    for driver in opts.drivers.split(",") if not opts.report_only else []:
         for control in opts.controls.split(","):
             seeds = opts.seeds if control == "none" else opts.control_seeds
             for seed in map(int, seeds.split(",")):
@@ -108,8 +119,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name}: running", flush=True)
                 result = run_one(spec)
                 print(f"{name}: rc {result['rc']}, {result['wall_seconds']:.0f} s", flush=True)
-                runs.append({**spec, **result})
-    summary = report.write(opts.out, runs, slime_commit=commit)
+    summary = report.write(opts.out, runs_in(opts.out), slime_commit=commit)
     print(json.dumps(summary["verdict"], indent=2))
     return 0 if summary["verdict"]["passed"] else 1
 

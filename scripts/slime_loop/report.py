@@ -95,7 +95,10 @@ def plot(out: Path, figures: list[dict[str, Any]]) -> Path:
         style = "-" if f["control"] == "none" else "--"
         left.plot(range(len(f["eval_reward"])), f["eval_reward"], style, label=f["name"])
         right.plot(range(len(f["mismatch"])), f["mismatch"], style, label=f["name"])
-    left.set(title="held-out eval reward (slime's eval path)", xlabel="eval (0: before training)", ylabel="reward")
+    # train.py evaluates before the first step; train_async.py first after it
+    left.set(
+        title="held-out eval reward (slime's eval path)", xlabel="eval (train.py: 0 before training)", ylabel="reward"
+    )
     right.set(title="slime's train_rollout_logprob_abs_diff", xlabel="train step", ylabel="mean |Δ log-prob|")
     right.set_yscale("symlog", linthresh=1e-3)
     left.legend(fontsize=6)
