@@ -315,11 +315,16 @@ def test_ctrl_c_ends_a_run_in_one_line_keeping_what_ended(tmp_path):
     out = tmp_path / "out.jsonl"
     argv = ["run", "--env", str(tmp_path / "half_env.py"), "--num-prompts", "2", "--max-new-tokens", "4"]
     proc = turnstile(*argv, "--out", str(out))
-    for line in proc.stderr:  # the live view's line once the first group is written
-        if line.startswith("groups 1/2"):
-            break
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+    try:
+        for line in proc.stderr:  # the live view's line once the first group is written
+            if line.startswith("groups 1/2"):
+                break
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:  # a run that ignored the signal is not left behind
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
     assert proc.returncode == 130, err
     assert "Traceback" not in err and f"turnstile: interrupted; the trajectories that ended are in {out}" in err
     [record] = read_lines(out)
