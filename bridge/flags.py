@@ -483,15 +483,32 @@ def refused(args: Any) -> list[str]:
     return lines
 
 
+def slime_starts_no_engines(args: Any) -> bool:
+    """`--rollout-num-gpus 0` without `--rollout-external`: slime starts its router but no SGLang engine
+    (slime/ray/rollout.py `_resolve_sglang_config`), so the bridge generates with the embedded local backend,
+    on the model at `--hf-checkpoint`."""
+    return (
+        args is not None
+        and getattr(args, "rollout_num_gpus", None) == 0
+        and not getattr(args, "rollout_external", False)
+    )
+
+
+def weights_by_disk(args: Any) -> bool:
+    """slime's trainer writes every weight version whole to `--update-weight-disk-dir`."""
+    transport, mode = getattr(args, "update_weight_transport", "nccl"), getattr(args, "update_weight_mode", "full")
+    return (transport, mode) == ("disk", "full")
+
+
 def embedded_weight_updates(args: Any) -> list[str]:
     """With no SGLang engine (--rollout-num-gpus 0) the embedded model takes slime's weights from disk: a
     line for each flag that would leave it on its first weights without a word."""
-    if getattr(args, "rollout_num_gpus", None) != 0 or getattr(args, "rollout_external", False):
+    if not slime_starts_no_engines(args):
         return []
     if getattr(args, "debug_rollout_only", False) or getattr(args, "debug_train_only", False):
         return []
-    transport, mode = getattr(args, "update_weight_transport", "nccl"), getattr(args, "update_weight_mode", "full")
-    if (transport, mode) != ("disk", "full"):
+    if not weights_by_disk(args):
+        transport, mode = getattr(args, "update_weight_transport", "nccl"), getattr(args, "update_weight_mode", "full")
         return [
             f"--update-weight-transport {transport!r} --update-weight-mode {mode!r}: with --rollout-num-gpus 0 "
             "the embedded model takes the trainer's weights only by disk (--update-weight-transport disk "

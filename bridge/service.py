@@ -339,9 +339,11 @@ class RolloutService:
         higher numbers), if not loaded yet, loaded as SGLang engines would (generation paused, then resumed by
         the step on version NNNNNN). Trajectories paused at the end of the last step go on with these weights."""
         found = max(((p.stat().st_mtime, v, p) for v, p in weight_directories(weights_dir)), default=None)
-        if found is None or (found[2], found[0]) == self._weights_loaded:
+        if found is None:
             return
         written, version, path = found
+        if (path, written) == self._weights_loaded:
+            return
         await self.engine.pause()
         await self.backend.update_weights_from_disk(str(path), str(version))  # type: ignore[attr-defined]
         self._weights_loaded = (path, written)

@@ -40,6 +40,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from bridge.flags import slime_starts_no_engines, weights_by_disk
 from engine.config import EMBEDDED_TURN_TOKENS, Settings, Slime, checked, marker, problems
 
 __all__ = [
@@ -79,7 +80,6 @@ def settings_from_args(args: Any) -> BridgeSettings:
     router_ip, router_port = get("sglang_router_ip"), get("sglang_router_port")
     engines = not slime_starts_no_engines(args)  # with none, slime's router has no workers: the embedded model
     url = f"http://{router_ip}:{router_port}" if router_ip and router_port and engines else None
-    disk = get("update_weight_transport") == "disk" and get("update_weight_mode", "full") == "full"
     deterministic = bool(get("sglang_enable_deterministic_inference", False))
     seed = get("rollout_seed")
     from_slime = {  # what slime's flags decide; None: the knob's default
@@ -107,7 +107,7 @@ def settings_from_args(args: Any) -> BridgeSettings:
         "num_gpus": get("rollout_num_gpus"),
         "router_policy": get("router_policy"),
         "model": get("hf_checkpoint") if not engines else None,  # the model slime trains generates
-        "weights_dir": get("update_weight_disk_dir") if not engines and disk else None,
+        "weights_dir": get("update_weight_disk_dir") if not engines and weights_by_disk(args) else None,
     }
     values = {key: value for key, value in from_slime.items() if value is not None}
     values.update(_filled(get, own, values))
@@ -115,17 +115,6 @@ def settings_from_args(args: Any) -> BridgeSettings:
         return BridgeSettings.model_validate({**values, **own})
     except ValidationError as exc:  # one error naming each bad value by where it came from
         raise ValueError(problems(exc, lambda knob: _source(knob, own))) from exc
-
-
-def slime_starts_no_engines(args: Any) -> bool:
-    """`--rollout-num-gpus 0` without `--rollout-external`: slime starts its router but no SGLang engine
-    (slime/ray/rollout.py `_resolve_sglang_config`), so the bridge generates with the embedded local backend,
-    on the model at `--hf-checkpoint`."""
-    return (
-        args is not None
-        and getattr(args, "rollout_num_gpus", None) == 0
-        and not getattr(args, "rollout_external", False)
-    )
 
 
 def _source(knob: str, own: dict[str, Any]) -> str:
