@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import logging
 from typing import Any
 
 from bridge.convert import sample_class
@@ -29,6 +30,10 @@ from bridge.flags import FlagError, check_args
 from bridge.rewards import load_function
 from bridge.service import RolloutService
 from bridge.settings import BridgeSettings, settings_from_args
+
+# The HTTP client logs each request at INFO, which slime's logging shows: a line per turn. slime quiets its own
+# client (httpx) the same way in slime/ray/rollout.py.
+logging.getLogger("httpx2").setLevel(logging.WARNING)
 
 try:
     from slime.rollout.base_types import RolloutFnEvalOutput, RolloutFnTrainOutput

@@ -54,9 +54,6 @@ def templates_dir() -> Path:
     return path
 
 
-SGLANG_LOG_REQUESTS = ("--log-requests", "--log-requests-level", "0", "--log-requests-format", "json")
-
-
 @pytest.fixture(scope="session")
 def sglang_workers():
     """Two real SGLang servers on CPU serving the tiny Qwen2.5-VL model, for the session (started side by
@@ -64,14 +61,14 @@ def sglang_workers():
     served which trajectory. Skips (fails under TURNSTILE_REQUIRE_SGLANG=1) without the SGLang venv."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from tests.sglang_cpu.server import SGLangServer, SGLangUnavailable, is_installed, model_dir, venv_dir
+    from tests.sglang_cpu.server import LOG_REQUESTS, SGLangServer, SGLangUnavailable, is_installed, model_dir, venv_dir
 
     if not is_installed():
         reason = f"no SGLang venv at {venv_dir()}: run `python -m tests.sglang_cpu.server install`"
         if os.environ.get("TURNSTILE_REQUIRE_SGLANG") == "1":
             pytest.fail(reason)
         pytest.skip(reason)
-    servers = [SGLangServer(model_dir("tiny-qwen2.5-vl"), extra=SGLANG_LOG_REQUESTS) for _ in range(2)]
+    servers = [SGLangServer(model_dir("tiny-qwen2.5-vl"), extra=LOG_REQUESTS) for _ in range(2)]
     with ThreadPoolExecutor(len(servers)) as pool:
         started = [pool.submit(server.start) for server in servers]
     try:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import threading
-from collections import defaultdict
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -24,7 +23,7 @@ from bridge.convert import Sample
 from bridge.slime import SERVICE_ATTRIBUTE, generate_rollout
 from tests import hooks
 from tests.router import SGLangRouter
-from tests.sglang_cpu.server import update_weights_as_slime
+from tests.sglang_cpu.server import routed_requests, update_weights_as_slime
 from tests.test_sglang_e2e import VisionDataSource
 
 pytestmark = pytest.mark.sglang
@@ -41,20 +40,7 @@ def router(sglang_workers):
 
 def sessions_by_worker(workers) -> dict[str, set[int]]:
     """Routing key -> the workers (by position) whose logs show a /generate request carrying it."""
-    seen: dict[str, set[int]] = defaultdict(set)
-    for position, worker in enumerate(workers):
-        for line in Path(worker.log_path).read_text(errors="replace").splitlines():
-            start = line.find('{"timestamp"')
-            if start < 0:
-                continue
-            try:
-                event = json.loads(line[start:])
-            except json.JSONDecodeError:
-                continue
-            key = (event.get("headers") or {}).get("x-smg-routing-key")
-            if event.get("event") == "request.received" and key:
-                seen[key].add(position)
-    return seen
+    return {key: set(counts) for key, counts in routed_requests([w.log_path for w in workers]).items()}
 
 
 def foreign_generation(url: str, out: dict) -> None:

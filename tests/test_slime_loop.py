@@ -7,13 +7,14 @@ import json
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 
 from scripts.slime_loop import report
-from scripts.slime_loop.batches import invert_loss_masks, save_hf, windows
+from scripts.slime_loop.batches import invert_loss_masks, save_hf, window_logits, windows
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,6 +25,22 @@ def test_windows_keep_each_response_and_the_token_before_it():
     assert [t.tolist() for t in data["tokens"]] == [[6, 7, 8, 9], [20, 21, 22, 23, 24, 25]]
     assert data["total_lengths"] == [4, 6]
     assert [t.tolist() for t in data["full_tokens"]] == [list(range(10)), list(range(20, 26))]
+
+
+def test_one_padded_forward_gives_each_samples_own_window_logits():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(
+        Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, max_position_embeddings=64)
+    ).eval()  # fmt: skip
+    samples, kept = [torch.randint(0, 64, (n,)) for n in (9, 4, 13)], [3, 4, 1]
+    with torch.no_grad():
+        batched = window_logits(model, samples, kept)
+        alone = [model(input_ids=t.unsqueeze(0), logits_to_keep=w).logits for t, w in zip(samples, kept, strict=True)]
+    assert batched.shape == (1, sum(kept), 64)
+    torch.testing.assert_close(batched, torch.cat(alone, dim=1), rtol=1e-4, atol=1e-5)
 
 
 def test_the_negative_control_trains_on_the_environments_tokens_with_slimes_mask_sums():
@@ -87,6 +104,18 @@ def test_the_verdict_needs_a_rise_from_the_loss_and_none_from_the_control(tmp_pa
     problems = report.verdict([report.run_figures(r) for r in (flat, lossy, unflagged)], steps=5)["problems"]
     assert [p.split(":")[0] for p in problems] == ["flat", "lossy", "sneaky"]
     assert "5 prompts lost" in problems[1]  # 8 samples short of 64 at each of 5 steps: a group of 8 each
+
+
+def test_sglang_runs_need_a_trajectorys_turns_on_one_worker(tmp_path):
+    routed = {"a": Counter({0: 3}), "b": Counter({1: 2}), "c": Counter({0: 4, 1: 1})}  # 9 of 10 turns on their worker
+    assert report.affinity(routed) == {"share": 0.9, "trajectories": 3, "turns": 10}
+    run = write_run(tmp_path, "scattered", "none", [0.2, 0.3, 0.4, 0.5, 0.6, 0.6], mismatch=0.01)
+    run |= {"backend": "sglang", "affinity": report.affinity(routed)}
+    assert report.verdict([report.run_figures(run)], steps=5)["problems"] == [
+        "scattered: 0.9 of a trajectory's turns on one worker (< 0.95)"
+    ]
+    run["affinity"] = report.affinity({"a": Counter({0: 3}), "b": Counter({1: 2})})
+    assert report.verdict([report.run_figures(run)], steps=5) == {"passed": True, "problems": []}
 
 
 @pytest.mark.skipif(

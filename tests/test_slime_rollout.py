@@ -335,3 +335,13 @@ def test_eval_dataset_settings_turnstile_cannot_honour_are_refused(tmp_path):
             generate_rollout(args, 0, DataSource(n_samples=2), evaluation=True)
     finally:
         getattr(args, SERVICE_ATTRIBUTE).shutdown()
+
+
+def test_the_http_clients_request_lines_stay_out_of_slimes_info_log():
+    """slime logs at INFO; the HTTP client's line per request would be one line per turn in it (slime quiets its
+    own httpx the same way)."""
+    import logging
+
+    import bridge.slime  # noqa: F401
+
+    assert not logging.getLogger("httpx2").isEnabledFor(logging.INFO)

@@ -21,6 +21,21 @@ def windows(data: dict[str, Any]) -> None:
     data["total_lengths"] = [r + 1 for r in data["response_lengths"]]
 
 
+def window_logits(model: Any, full_tokens: list[torch.Tensor], window_lengths: list[int]) -> torch.Tensor:
+    """[1, sum(window_lengths), V] float32 logits: each sample's last `window_lengths[i]` positions, laid end to
+    end as Megatron's packed forward lays out samples. One padded forward for the whole micro-batch (padding on
+    the right, so no sample's positions or attention change); only the windows' hidden states go through the
+    output layer."""
+    lengths = [len(t) for t in full_tokens]
+    ids = torch.zeros(len(full_tokens), max(lengths), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, t in enumerate(full_tokens):
+        ids[i, : len(t)], mask[i, : len(t)] = t, 1
+    hidden = model.get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state
+    kept = torch.cat([hidden[i, n - w : n] for i, (n, w) in enumerate(zip(lengths, window_lengths, strict=True))])
+    return model.get_output_embeddings()(kept).float().unsqueeze(0)
+
+
 def invert_loss_masks(data: dict[str, Any]) -> None:
     """The negative control: loss mask 1 where the environment wrote and 0 where the model did, with
     `rollout_mask_sums` recomputed by slime's rule (each rollout's mask total)."""

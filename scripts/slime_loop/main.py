@@ -3,18 +3,21 @@
 For each driver (train.py, train_async.py), seed and control, one run (scripts/slime_loop/run.py, a process
 of its own): slime's driver with Turnstile as the rollout (`bridge.slime.generate_rollout`), the CPU trainer
 (scripts/slime_loop/trainer.py) through `create_training_models`' actor class, weights pushed by slime's disk
-path every step, a held-out eval through slime's eval path every step. The runs' JSON lines become
-`report.json` and `report.png` (scripts/slime_loop/report.py), over every run in --out (earlier invocations'
-too: runs can be added one at a time).
+path every step, a held-out eval through slime's eval path every step. With `--backend sglang`, two SGLang CPU
+servers are started for each run (stopped after it) and given to slime as --rollout-external-engine-addrs. The
+runs' JSON lines become `report.json` and `report.png` (scripts/slime_loop/report.py), over every run in --out
+(earlier invocations' too: runs can be added one at a time).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +25,12 @@ import yaml
 
 from scripts.slime_loop import report, task
 from scripts.slime_loop.run import REPO
+from tests.sglang_cpu.server import routed_requests
 
 DRIVERS = ("train", "train_async")
 CONTROLS = ("none", "inverted_mask")
+BACKENDS = ("embedded", "sglang")
+SGLANG_SERVERS = 2
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -36,12 +42,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--controls", default=",".join(CONTROLS), help="none (the run) and/or inverted_mask")
     p.add_argument("--control-seeds", default="0", help="seeds the negative control runs with")
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--prompts-per-step", type=int, default=8)
+    p.add_argument("--prompts-per-step", type=int, default=16)
     p.add_argument("--train-steps-per-rollout", type=int, default=4)
-    p.add_argument("--samples-per-prompt", type=int, default=8)
+    p.add_argument("--samples-per-prompt", type=int, default=16)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--max-operand", type=int, default=task.MAX_OPERAND, help="questions a + b with a, b in 0..N")
-    p.add_argument("--backend", choices=("embedded",), default="embedded")
+    p.add_argument(
+        "--backend", choices=BACKENDS, default="embedded",
+        help="embedded: the model slime trains generates in the rollout actor; sglang: two SGLang CPU servers "
+        "(--rollout-external-engine-addrs) behind the sglang-router slime starts, with its default policy",
+    )  # fmt: skip
     p.add_argument("--slime-commit", default=None)
     p.add_argument("--report-only", action="store_true", help="only rebuild the report from the runs in --out")
     return p.parse_args(argv)
@@ -58,7 +67,7 @@ def slime_commit(slime: Path, given: str | None) -> str:
         return "unknown"
 
 
-def prepare(out: Path, seed: int, max_operand: int = task.MAX_OPERAND) -> dict[str, str]:
+def prepare(out: Path, seed: int) -> dict[str, str]:
     """The seed's warm-started model, prompts and custom config (shared by its runs)."""
     base = out / "inputs" / f"seed{seed}"
     base.mkdir(parents=True, exist_ok=True)
@@ -70,8 +79,8 @@ def prepare(out: Path, seed: int, max_operand: int = task.MAX_OPERAND) -> dict[s
     )
     return {
         "hf_checkpoint": str(task.warm_start(base / "warm_start", seed=seed)),
-        "train_data": str(task.write_prompts(base / "train.jsonl", 4000, seed=1000 + seed, max_operand=max_operand)),
-        "eval_data": str(task.write_prompts(base / "eval.jsonl", 64, seed=2000 + seed, max_operand=max_operand)),
+        "train_data": str(task.write_prompts(base / "train.jsonl", 4000, seed=1000 + seed)),
+        "eval_data": str(task.write_prompts(base / "eval.jsonl", 64, seed=2000 + seed)),
         "custom_config": str(custom),
     }
 
@@ -79,16 +88,38 @@ def prepare(out: Path, seed: int, max_operand: int = task.MAX_OPERAND) -> dict[s
 def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     work = Path(spec["work"])
     work.mkdir(parents=True, exist_ok=True)
-    (work / "spec.json").write_text(json.dumps(spec, indent=2))
     started = time.monotonic()
-    with open(work / "log.txt", "w") as log:
-        rc = subprocess.run(
-            [sys.executable, "-m", "scripts.slime_loop.run", str(work / "spec.json")],
-            cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=False,
-        ).returncode  # fmt: skip
-    result = {"rc": rc, "wall_seconds": time.monotonic() - started}
+    with contextlib.ExitStack() as stack:
+        if spec["backend"] == "sglang":
+            servers = sglang_servers(Path(spec["hf_checkpoint"]), work, stack)
+            spec = {**spec, "sglang_urls": [s.url for s in servers], "sglang_logs": [str(s.log_path) for s in servers]}
+        (work / "spec.json").write_text(json.dumps(spec, indent=2))
+        with open(work / "log.txt", "w") as log:
+            rc = subprocess.run(
+                [sys.executable, "-m", "scripts.slime_loop.run", str(work / "spec.json")],
+                cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=False,
+            ).returncode  # fmt: skip
+    result: dict[str, Any] = {"rc": rc, "wall_seconds": time.monotonic() - started}
+    if spec["backend"] == "sglang":
+        result["affinity"] = report.affinity(routed_requests(spec["sglang_logs"]))
     (work / "result.json").write_text(json.dumps(result))
     return result
+
+
+def sglang_servers(model: Path, work: Path, stack: contextlib.ExitStack) -> list[Any]:
+    """SGLANG_SERVERS SGLang CPU servers on the warm-started model, logging each request (the routing key
+    shows which worker each turn reached), stopped when `stack` closes. slime finds them through
+    --rollout-external-engine-addrs and registers them with the router it starts."""
+    from tests.sglang_cpu.server import LOG_REQUESTS, SGLangServer
+
+    extra = (*LOG_REQUESTS, "--sleep-on-idle")  # an idle scheduler otherwise spins, taking the trainer's CPU
+    servers = [SGLangServer(model, log_path=work / f"sglang-{i}.log", extra=extra) for i in range(SGLANG_SERVERS)]
+    for server in servers:
+        stack.callback(server.stop)
+    with ThreadPoolExecutor(len(servers)) as pool:  # each start loads the model; side by side
+        for started in [pool.submit(server.start) for server in servers]:
+            started.result()
+    return servers
 
 
 def runs_in(out: Path) -> list[dict[str, Any]]:
@@ -114,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                     "steps": opts.steps, "prompts_per_step": opts.prompts_per_step,
                     "samples_per_prompt": opts.samples_per_prompt, "eval_samples_per_prompt": 2, "lr": opts.lr,
                     "train_steps_per_rollout": opts.train_steps_per_rollout,
-                    "partial_rollout": True, **prepare(opts.out, seed, opts.max_operand),
+                    "partial_rollout": True, **prepare(opts.out, seed),
                 }  # fmt: skip
                 print(f"{name}: running", flush=True)
                 result = run_one(spec)

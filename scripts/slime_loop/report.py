@@ -5,8 +5,10 @@ Per run, from its JSON lines (hooks.py, trainer.py): the held-out eval reward pe
 of the last three evals less the eval before the first training step), the train reward, slime's
 `train_rollout_logprob_abs_diff` (|old-policy log-prob - rollout log-prob| on trained tokens), the staleness of
 the trained tokens (the trainer's weight version less the version that generated each token), samples
-returned and removed, and the wall time. The verdict: every run of the real loss rises by at least
-`MIN_RISE`, every negative-control run does not (or slime's mismatch metric flags it), and no run lost a
+returned and removed, the wall time, and for SGLang runs the share of each trajectory's turns that reached one
+worker (from the servers' request logs). The verdict: every run of the real loss rises by at least
+`MIN_RISE`, every negative-control run does not (or slime's mismatch metric flags it), SGLang runs keep at least
+`MIN_AFFINITY` of a trajectory's turns on one worker, and no run lost a
 prompt (each step returned rollout_batch_size x n_samples_per_prompt samples).
 """
 
@@ -18,6 +20,15 @@ from typing import Any
 
 MIN_RISE = 0.3
 MISMATCH_FLAG = 0.5  # mean |log-prob difference| a run must stay under to pass slime's check here
+MIN_AFFINITY = 0.95  # share of a trajectory's turns on the worker of most of its turns (SGLang runs)
+
+
+def affinity(routed: dict[str, Any]) -> dict[str, Any]:
+    """From routing key -> {worker: requests}: the share of turns that reached their trajectory's most-used
+    worker, and the trajectories seen."""
+    turns = sum(sum(counts.values()) for counts in routed.values())
+    kept = sum(max(counts.values()) for counts in routed.values())
+    return {"share": round(kept / turns, 4) if turns else None, "trajectories": len(routed), "turns": turns}
 
 
 def read_rows(work: Path) -> list[dict[str, Any]]:
@@ -58,6 +69,7 @@ def run_figures(run: dict[str, Any]) -> dict[str, Any]:
         "samples_per_step": [rollouts[r]["samples"] for r in sorted(rollouts)],
         "prompts_lost": sum(max(0, expected - rollouts[r]["samples"]) for r in rollouts) // run["samples_per_prompt"],
         "removed": sum(r["removed"] for r in rollouts.values()),
+        "affinity": run.get("affinity"),
     }  # fmt: skip
 
 
@@ -71,6 +83,9 @@ def verdict(figures: list[dict[str, Any]], steps: int) -> dict[str, Any]:
         rise = f["eval_rise"] if f["eval_rise"] is not None else float("nan")
         if f["control"] == "none" and not rise >= MIN_RISE:
             problems.append(f"{f['name']}: eval reward rose {rise:.3f} (< {MIN_RISE})")
+        share = (f["affinity"] or {}).get("share") if f["backend"] == "sglang" else MIN_AFFINITY
+        if not (share is not None and share >= MIN_AFFINITY):
+            problems.append(f"{f['name']}: {share} of a trajectory's turns on one worker (< {MIN_AFFINITY})")
         flagged = f["mean_mismatch"] is not None and f["mean_mismatch"] >= MISMATCH_FLAG
         if f["control"] != "none" and rise >= MIN_RISE and not flagged:
             problems.append(

@@ -21,8 +21,12 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 
-# Megatron's own flags (megatron/training/arguments.py) that the CPU trainer reads: optimizer and clipping.
-MEGATRON_OWNED = {"adam_beta1": 0.9, "adam_beta2": 0.98, "adam_eps": 1e-8, "weight_decay": 0.0, "clip_grad": 1.0}
+# Megatron's own flags (megatron/training/arguments.py) read on this path: the CPU trainer's optimizer and clipping,
+# SGLangEngine's fp16.
+MEGATRON_OWNED = {
+    "adam_beta1": 0.9, "adam_beta2": 0.98, "adam_eps": 1e-8, "weight_decay": 0.0, "clip_grad": 1.0,
+    "fp16": False,
+}  # fmt: skip
 
 
 def slime_flags(spec: dict[str, Any], work: Path) -> dict[str, Any]:
@@ -42,7 +46,7 @@ def slime_flags(spec: dict[str, Any], work: Path) -> dict[str, Any]:
         "n_samples_per_prompt": spec["samples_per_prompt"],
         # slime's training steps per rollout step: rollouts (here samples) / global batch
         "global_batch_size": spec["prompts_per_step"] * spec["samples_per_prompt"] // spec["train_steps_per_rollout"],
-        "micro_batch_size": 1,
+        "micro_batch_size": spec.get("micro_batch_size", 16),  # one padded forward per micro-batch
         "rollout_max_response_len": 64,  # two one-digit answers and the feedback between them
         "rollout_temperature": 1.0,
         "rollout_function_path": "bridge.slime.generate_rollout",
@@ -69,11 +73,13 @@ def slime_flags(spec: dict[str, Any], work: Path) -> dict[str, Any]:
         # with no workers (Turnstile generates with the embedded model on --hf-checkpoint; nothing calls it)
         flags |= {"rollout_num_gpus": 0, "sglang_router_ip": "127.0.0.1", "sglang_router_port": 1}
     else:
+        # SGLang servers started beforehand (main.py): slime asks each for its server info, makes an SGLangEngine
+        # actor per server, starts sglang-router itself with its defaults (policy cache_aware), registers the
+        # servers with it, and reloads their weights from each step's directory, then deletes the directory
         flags |= {
-            "rollout_external": True,
             "rollout_external_engine_addrs": spec["sglang_urls"],
-            "rollout_num_gpus": len(spec["sglang_urls"]),
             "rollout_num_gpus_per_engine": 1,
+            "update_weight_disk_keep_files": False,
         }
     if spec.get("partial_rollout"):
         flags |= {"partial_rollout": True, "over_sampling_batch_size": spec["prompts_per_step"] * 2}

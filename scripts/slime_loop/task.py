@@ -1,13 +1,14 @@
 """The task the loop trains on: single-digit sums through the built-in arithmetic env, with a second try.
 
-"What is 3 + 4? Answer with a number." The env (engine/envs/arith.py) reads the last integer of each answer:
-right ends the trajectory with reward 1; wrong gets "5 is not right, try again. What is 3 + 4?" and one more
-turn. Sums stay below 10, so an answer is one digit. Train and eval prompts are drawn with different seeds
-(the eval file is held out: no row of it is in the training file).
+"What is 2 + 3? Answer with a number." The env (engine/envs/arith.py) reads the last integer of each answer:
+right ends the trajectory with reward 1; wrong gets "5 is not right, try again. What is 2 + 3?" and one more
+turn. The ten questions are 0 + 0, 0 + 1, 1 + 1, 1 + 2, ... 4 + 5: their sums are 0..9, each once, so an
+answer that ignores the question is right 1 time in 10 whatever it is (no answer is worth more than another
+on average: a policy must learn the table to gain). Train and eval prompts are drawn with different seeds.
 
-The warm start teaches the format only: the answer is one digit and the turn ends. Its digits are drawn at
-random, independent of the question, so the warm-started policy is right by chance (about 1 in 10 a try) and
-whatever it learns beyond that, it learns from the rewards.
+The warm start teaches the format and to read the question, not the sums: its answers are the question's first
+number, its second or a random digit, a third each (right only where a sum equals an operand, 0 + 0 and
+0 + 1, or by chance). From there what the policy gains it gains from the rewards.
 """
 
 from __future__ import annotations
@@ -19,14 +20,9 @@ from typing import Any
 
 import torch
 
-MAX_OPERAND = 2  # a, b in 0..2: nine questions, answers 0..4 (a model answering at random is right 1 in 10)
-
-
-def pairs(max_operand: int = MAX_OPERAND) -> list[tuple[int, int]]:
-    return [(a, b) for a in range(max_operand + 1) for b in range(max_operand + 1) if a + b <= 9]
-
-
+QUESTIONS = [(k // 2, (k + 1) // 2) for k in range(10)]  # 0+0, 0+1, 1+1, 1+2, ..., 4+5: sums 0..9 once each
 SYSTEM = "Add."  # short: without a system message Qwen's template puts in a default one of 20 tokens
+HIDDEN_SIZE = 256
 
 
 def question_row(a: int, b: int) -> dict[str, Any]:
@@ -41,11 +37,11 @@ def question_row(a: int, b: int) -> dict[str, Any]:
     }
 
 
-def write_prompts(path: Path, n: int, seed: int, max_operand: int = MAX_OPERAND) -> Path:
-    rng, questions = random.Random(seed), pairs(max_operand)
+def write_prompts(path: Path, n: int, seed: int) -> Path:
+    rng = random.Random(seed)
     with open(path, "w") as f:
         for _ in range(n):
-            f.write(json.dumps(question_row(*rng.choice(questions))) + "\n")
+            f.write(json.dumps(question_row(*rng.choice(QUESTIONS))) + "\n")
     return path
 
 
@@ -53,15 +49,12 @@ def warm_start(
     path: Path,
     *,
     seed: int,
-    right_share: float = 0.0,
-    max_operand: int = MAX_OPERAND,
-    hidden_size: int = 128,
+    hidden_size: int = HIDDEN_SIZE,
     steps: int = 120,
     batch: int = 32,
 ) -> Path:
-    """A Qwen2 of `hidden_size` (real Qwen vocabulary) taught the answer's format, saved with its tokenizer at
-    `path` (slime's --hf-checkpoint): a `right_share` of its examples answer right, the rest with a random
-    digit. Returns `path`."""
+    """A Qwen2 of `hidden_size` (real Qwen vocabulary) taught the answer's format and to read the question (see
+    the module's docstring), saved with its tokenizer at `path` (slime's --hf-checkpoint). Returns `path`."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from engine.models import QWEN_FIRST_ADDED_ID, QWEN_VOCAB_SIZE, load_tokenizer
@@ -82,11 +75,11 @@ def warm_start(
     for _ in range(steps):
         ids, labels = [], []
         for _ in range(batch):
-            a, b = rng.choice(pairs(max_operand))
+            a, b = rng.choice(QUESTIONS)
             row = question_row(a, b)
             prompt = tokenizer.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True)
             p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-            answer = a + b if rng.random() < right_share else rng.randrange(10)
+            answer = rng.choice([a, b, rng.randrange(10)])
             a_ids = tokenizer(f"{answer}<|im_end|>", add_special_tokens=False)["input_ids"]
             ids.append(p_ids + a_ids)
             labels.append([-100] * len(p_ids) + a_ids)

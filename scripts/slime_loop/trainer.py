@@ -34,7 +34,7 @@ from slime.backends.megatron_utils.loss import compute_advantages_and_returns, g
 from slime.ray.train_actor import TrainRayActor
 from slime.utils.data import process_rollout_data
 
-from scripts.slime_loop.batches import invert_loss_masks, save_hf, windows
+from scripts.slime_loop.batches import invert_loss_masks, save_hf, window_logits, windows
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ class CpuTrainRayActor(TrainRayActor):
             for _ in range(num_microbatches):
                 batch = iterator.get_next([*TRAIN_KEYS, "full_tokens"])
                 batch["unconcat_tokens"] = batch["tokens"]
-                logits = self._logits(self.model, batch.pop("full_tokens"), batch["total_lengths"])
+                logits = window_logits(self.model, batch.pop("full_tokens"), batch["total_lengths"])
                 loss, _, log = loss_function(self.args, batch, num_microbatches, batch_size, logits)
                 (loss / num_microbatches).backward()  # as Megatron's schedule scales each micro-batch's loss
                 for key, value in zip(log["keys"], log["values"][1:].tolist(), strict=True):
@@ -153,29 +153,18 @@ class CpuTrainRayActor(TrainRayActor):
         )  # fmt: skip
 
     def _log_probs(self, model: torch.nn.Module, data: dict[str, Any]) -> list[torch.Tensor]:
-        """Each sample's response log-probs under `model`, by slime's `get_log_probs_and_entropy`."""
-        out = []
-        for i, (window, total, response) in enumerate(
-            zip(data["tokens"], data["total_lengths"], data["response_lengths"], strict=True)
-        ):
-            logits = self._logits(model, [data["full_tokens"][i]], [total])
+        """Each sample's response log-probs under `model`, by slime's `get_log_probs_and_entropy`, a
+        micro-batch's worth of samples per forward."""
+        out, size = [], self.args.micro_batch_size
+        for start in range(0, len(data["tokens"]), size):
+            part = slice(start, start + size)
+            logits = window_logits(model, data["full_tokens"][part], data["total_lengths"][part])
             _, res = get_log_probs_and_entropy(
-                logits, args=self.args, unconcat_tokens=[window], total_lengths=[total], response_lengths=[response]
-            )
-            out.append(res["log_probs"][0].detach())
+                logits, args=self.args, unconcat_tokens=data["tokens"][part],
+                total_lengths=data["total_lengths"][part], response_lengths=data["response_lengths"][part],
+            )  # fmt: skip
+            out.extend(x.detach() for x in res["log_probs"])
         return out
-
-    @staticmethod
-    def _logits(model: torch.nn.Module, full_tokens: list[torch.Tensor], windows: list[int]) -> torch.Tensor:
-        """[1, T, V] float32 logits of the samples' windows laid end to end, as Megatron's packed forward lays
-        out whole samples; each sample is its own forward over all its tokens, so none attends to another."""
-        return torch.cat(
-            [
-                model(input_ids=t.unsqueeze(0), logits_to_keep=w).logits.float()
-                for t, w in zip(full_tokens, windows, strict=True)
-            ],
-            dim=1,
-        )
 
     # -- weights ----------------------------------------------------------------------------------
     def save_model(self, rollout_id: int, force_sync: bool = False) -> None:

@@ -16,11 +16,13 @@ server process's PYTHONPATH (see standin/sgl_kernel/__init__.py for why and what
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,7 @@ from tests.net import free_port
 from tests.processes import ServerProcess
 
 SGLANG_VERSION = "0.5.23"
+LOG_REQUESTS = ("--log-requests", "--log-requests-level", "0", "--log-requests-format", "json")
 STANDIN = Path(__file__).parent / "standin"
 STARTUP_TIMEOUT_S = 600.0  # ~25 s warm; a cold start compiles and loads far more on a busy 2-core machine
 
@@ -132,6 +135,25 @@ def update_weights_as_slime(url: str, model_path: str | Path, version: str, *, t
         update = call("POST", "/update_weights_from_disk", {"model_path": str(model_path), "weight_version": version})
         call("POST", "/continue_generation", {})
         return update.json()
+
+
+def routed_requests(log_paths: list[Path] | list[str]) -> dict[str, Counter[int]]:
+    """Routing key (the `X-SMG-Routing-Key` header) -> how many /generate requests carrying it each worker (by
+    position in `log_paths`) received, from the servers' request logs (started with LOG_REQUESTS)."""
+    seen: dict[str, Counter[int]] = defaultdict(Counter)
+    for position, path in enumerate(log_paths):
+        for line in Path(path).read_text(errors="replace").splitlines():
+            start = line.find('{"timestamp"')
+            if start < 0:
+                continue
+            try:
+                event = json.loads(line[start:])
+            except json.JSONDecodeError:
+                continue
+            key = (event.get("headers") or {}).get("x-smg-routing-key")
+            if event.get("event") == "request.received" and key:
+                seen[key][position] += 1
+    return dict(seen)
 
 
 class SGLangServer(ServerProcess):
