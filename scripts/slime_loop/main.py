@@ -42,6 +42,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--controls", default=",".join(CONTROLS), help="none (the run) and/or inverted_mask")
     p.add_argument("--control-seeds", default="0", help="seeds the negative control runs with")
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--max-turns", type=int, default=2, help="answers a trajectory may give (feedback between)")
     p.add_argument("--prompts-per-step", type=int, default=16)
     p.add_argument("--train-steps-per-rollout", type=int, default=4)
     p.add_argument("--samples-per-prompt", type=int, default=16)
@@ -67,16 +68,13 @@ def slime_commit(slime: Path, given: str | None) -> str:
         return "unknown"
 
 
-def prepare(out: Path, seed: int) -> dict[str, str]:
+def prepare(out: Path, seed: int, max_turns: int = 2) -> dict[str, str]:
     """The seed's warm-started model, prompts and custom config (shared by its runs)."""
     base = out / "inputs" / f"seed{seed}"
     base.mkdir(parents=True, exist_ok=True)
-    custom = base / "turnstile.yaml"
-    custom.write_text(
-        yaml.safe_dump(
-            {"max_turns": 2, "rollout_interaction_env_path": "engine.envs.arith", "turnstile": {"max_new_tokens": 4}}
-        )
-    )
+    custom = base / f"turnstile-{max_turns}turns.yaml"
+    env = {"rollout_interaction_env_path": "engine.envs.arith", "turnstile": {"max_new_tokens": 4}}
+    custom.write_text(yaml.safe_dump({"max_turns": max_turns, **env}))
     return {
         "hf_checkpoint": str(task.warm_start(base / "warm_start", seed=seed)),
         "train_data": str(task.write_prompts(base / "train.jsonl", 4000, seed=1000 + seed)),
@@ -112,8 +110,9 @@ def sglang_servers(model: Path, work: Path, stack: contextlib.ExitStack) -> list
     --rollout-external-engine-addrs and registers them with the router it starts."""
     from tests.sglang_cpu.server import LOG_REQUESTS, SGLangServer
 
-    extra = (*LOG_REQUESTS, "--sleep-on-idle")  # an idle scheduler otherwise spins, taking the trainer's CPU
-    servers = [SGLangServer(model, log_path=work / f"sglang-{i}.log", extra=extra) for i in range(SGLANG_SERVERS)]
+    servers = [
+        SGLangServer(model, log_path=work / f"sglang-{i}.log", extra=LOG_REQUESTS) for i in range(SGLANG_SERVERS)
+    ]
     for server in servers:
         stack.callback(server.stop)
     with ThreadPoolExecutor(len(servers)) as pool:  # each start loads the model; side by side
@@ -145,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                     "steps": opts.steps, "prompts_per_step": opts.prompts_per_step,
                     "samples_per_prompt": opts.samples_per_prompt, "eval_samples_per_prompt": 2, "lr": opts.lr,
                     "train_steps_per_rollout": opts.train_steps_per_rollout,
-                    "partial_rollout": True, **prepare(opts.out, seed),
+                    "partial_rollout": True, **prepare(opts.out, seed, opts.max_turns),
                 }  # fmt: skip
                 print(f"{name}: running", flush=True)
                 result = run_one(spec)

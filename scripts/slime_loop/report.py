@@ -59,6 +59,7 @@ def run_figures(run: dict[str, Any]) -> dict[str, Any]:
     return {
         "name": run["name"], "driver": run["driver"], "backend": run["backend"], "control": run["control"],
         "seed": run["seed"], "rc": run["rc"], "wall_seconds": round(run["wall_seconds"], 1),
+        "steps": run["steps"],
         "steps_trained": len(trains),
         "eval_reward": [round(x, 4) for x in curve],
         "eval_rise": None if rise is None else round(rise, 4),
@@ -73,11 +74,11 @@ def run_figures(run: dict[str, Any]) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def verdict(figures: list[dict[str, Any]], steps: int) -> dict[str, Any]:
+def verdict(figures: list[dict[str, Any]]) -> dict[str, Any]:
     problems = []
     for f in figures:
-        if f["rc"] != 0 or f["steps_trained"] < steps:
-            problems.append(f"{f['name']}: exit {f['rc']}, {f['steps_trained']} of {steps} steps trained")
+        if f["rc"] != 0 or f["steps_trained"] < f["steps"]:
+            problems.append(f"{f['name']}: exit {f['rc']}, {f['steps_trained']} of {f['steps']} steps trained")
         if f["prompts_lost"]:
             problems.append(f"{f['name']}: {f['prompts_lost']} prompts lost")
         rise = f["eval_rise"] if f["eval_rise"] is not None else float("nan")
@@ -125,11 +126,10 @@ def plot(out: Path, figures: list[dict[str, Any]]) -> Path:
 
 def write(out: Path, runs: list[dict[str, Any]], *, slime_commit: str) -> dict[str, Any]:
     figures = [run_figures(run) for run in runs]
-    steps = max((run["steps"] for run in runs), default=0)
     summary = {
         "slime_commit": slime_commit,
         "runs": figures,
-        "verdict": verdict(figures, steps),
+        "verdict": verdict(figures),
         "stubs": {k: v for run in runs for k, v in _stubs(Path(run["work"])).items()},
     }
     (out / "report.json").write_text(json.dumps(summary, indent=2))

@@ -175,6 +175,7 @@ class SGLangServer(ServerProcess):
             "--model-path", str(self.model_path), "--host", "127.0.0.1", "--port", str(self.port),
             "--device", "cpu", "--max-total-tokens", "65536", "--disable-overlap-schedule",
             "--mem-fraction-static", "0.5", "--max-running-requests", "64", "--skip-server-warmup",
+            "--sleep-on-idle",  # an idle scheduler otherwise polls without pause, taking a core from everything else
             *self.extra,
         ]  # fmt: skip
 
