@@ -155,3 +155,22 @@ def test_slimes_train_py_runs_on_two_sglang_servers_behind_the_router_slime_star
     assert run["affinity"]["share"] >= 0.95 and run["affinity"]["trajectories"] > 0
     assert run["staleness"]["1"]["max"] == 1  # step 1 trained on tokens the servers made with step 0's weights
     assert not any((tmp_path / run["name"] / "weights").iterdir())  # slime removed each directory after the reload
+
+
+def test_a_right_answer_after_a_wrong_one_earns_the_later_credit():
+    from types import SimpleNamespace
+
+    from bridge.convert import Sample
+    from scripts.slime_loop import task
+
+    row = task.question_row(2, 3)
+    sample = Sample(prompt=row["messages"], label=row["label"], metadata=row["metadata"])
+    args = SimpleNamespace(max_turns=2, loop_later_credit=0.25)
+    first = task.build_env(sample, args)
+    first.reset()
+    assert first.step("5") == ({"obs_str": "Correct."}, True, {"attempts": 1, "guess": 5, "reward": 1.0})
+    later = task.build_env(sample, args)
+    later.reset()
+    observation, done, info = later.step("4")
+    assert not done and "4 is not right" in observation["obs_str"] and "reward" not in info
+    assert later.step("5")[1:] == (True, {"attempts": 2, "guess": 5, "reward": 0.25})

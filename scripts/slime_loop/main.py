@@ -43,6 +43,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--control-seeds", default="0", help="seeds the negative control runs with")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--max-turns", type=int, default=2, help="answers a trajectory may give (feedback between)")
+    p.add_argument("--later-credit", type=float, default=1.0, help="reward of a right answer after a wrong one")
     p.add_argument("--prompts-per-step", type=int, default=16)
     p.add_argument("--train-steps-per-rollout", type=int, default=4)
     p.add_argument("--samples-per-prompt", type=int, default=16)
@@ -68,13 +69,13 @@ def slime_commit(slime: Path, given: str | None) -> str:
         return "unknown"
 
 
-def prepare(out: Path, seed: int, max_turns: int = 2) -> dict[str, str]:
+def prepare(out: Path, seed: int, max_turns: int = 2, later_credit: float = 1.0) -> dict[str, str]:
     """The seed's warm-started model, prompts and custom config (shared by its runs)."""
     base = out / "inputs" / f"seed{seed}"
     base.mkdir(parents=True, exist_ok=True)
-    custom = base / f"turnstile-{max_turns}turns.yaml"
-    env = {"rollout_interaction_env_path": "engine.envs.arith", "turnstile": {"max_new_tokens": 4}}
-    custom.write_text(yaml.safe_dump({"max_turns": max_turns, **env}))
+    custom = base / f"turnstile-{max_turns}turns-credit{later_credit:g}.yaml"
+    env = {"rollout_interaction_env_path": "scripts.slime_loop.task", "turnstile": {"max_new_tokens": 4}}
+    custom.write_text(yaml.safe_dump({"max_turns": max_turns, "loop_later_credit": later_credit, **env}))
     return {
         "hf_checkpoint": str(task.warm_start(base / "warm_start", seed=seed)),
         "train_data": str(task.write_prompts(base / "train.jsonl", 4000, seed=1000 + seed)),
@@ -144,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                     "steps": opts.steps, "prompts_per_step": opts.prompts_per_step,
                     "samples_per_prompt": opts.samples_per_prompt, "eval_samples_per_prompt": 2, "lr": opts.lr,
                     "train_steps_per_rollout": opts.train_steps_per_rollout,
-                    "partial_rollout": True, **prepare(opts.out, seed, opts.max_turns),
+                    "partial_rollout": True, **prepare(opts.out, seed, opts.max_turns, opts.later_credit),
                 }  # fmt: skip
                 print(f"{name}: running", flush=True)
                 result = run_one(spec)

@@ -1,10 +1,11 @@
 """The task the loop trains on: single-digit sums through the built-in arithmetic env, with a second try.
 
-"What is 2 + 3? Answer with a number." The env (engine/envs/arith.py) reads the last integer of each answer:
-right ends the trajectory with reward 1; wrong gets "5 is not right, try again. What is 2 + 3?" and one more
-turn. The ten questions are 0 + 0, 0 + 1, 1 + 1, 1 + 2, ... 4 + 5: their sums are 0..9, each once, so an
-answer that ignores the question is right 1 time in 10 whatever it is (no answer is worth more than another
-on average: a policy must learn the table to gain). Train and eval prompts are drawn with different seeds.
+"What is 2 + 3? Answer with a number." The env (engine/envs/arith.py, through `build_env` below) reads the last
+integer of each answer: right ends the trajectory with reward 1 (after a wrong answer, `--later-credit`, default 1);
+wrong gets "5 is not right, try again. What is 2 + 3?" and one more turn. The ten questions are 0 + 0, 0 + 1,
+1 + 1, 1 + 2, ... 4 + 5: their sums are 0..9, each once, so an answer that ignores the question is right 1 time
+in 10 whatever it is (no answer is worth more than another on average: a policy must learn the table to gain).
+Train and eval prompts are drawn with different seeds.
 
 The warm start teaches the format and to read the question, not the sums: its answers are the question's first
 number, its second or a random digit, a third each (right only where a sum equals an operand, 0 + 0 and
@@ -19,6 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from engine.envs import arith
+from engine.envs.arith import ArithEnv
 
 QUESTIONS = [(k // 2, (k + 1) // 2) for k in range(10)]  # 0+0, 0+1, 1+1, 1+2, ..., 4+5: sums 0..9 once each
 SYSTEM = "Add."  # short: without a system message Qwen's template puts in a default one of 20 tokens
@@ -99,3 +103,32 @@ def warm_start(
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path
+
+
+class CreditedArith(ArithEnv):
+    """The arithmetic env with a right answer after a wrong one worth `later_credit` (the env's own: 1.0).
+
+    slime's loss gives a trajectory's reward to every answer in it, so with full credit a wrong first answer
+    followed by a right second one is reinforced as much as a right first answer; `later_credit` 0 leaves the
+    second try in the trajectory (its feedback and answer are still generated, masked and trained on) but rewards
+    only a right first answer."""
+
+    def __init__(self, *args: Any, later_credit: float = 1.0, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.later_credit = later_credit
+
+    def step(self, response_text: str) -> tuple[dict[str, Any], bool, dict[str, Any]]:
+        observation, done, info = super().step(response_text)
+        if self.num_attempts > 1 and info.get("reward"):
+            info = info | {"reward": info["reward"] * self.later_credit}
+        return observation, done, info
+
+
+def build_env(sample: Any = None, args: Any = None, **kw: Any) -> CreditedArith:
+    """`--rollout-interaction-env-path scripts.slime_loop.task`: the arithmetic env of `arith.build_env`, with
+    `later_credit` from slime's args (`loop_later_credit` in the custom config)."""
+    env = arith.build_env(sample, args, **kw)
+    return CreditedArith(
+        env.question, env.answer, max_attempts=env.max_attempts, vision=env.vision,
+        later_credit=float(getattr(args, "loop_later_credit", 1.0)),
+    )  # fmt: skip
