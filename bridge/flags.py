@@ -375,8 +375,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "rollout_num_gpus", "--rollout-num-gpus", None, _H,
         "Divides Turnstile's per-GPU throughput metrics, as slime's perf/tokens_per_gpu_per_sec. 0 (without "
-        "--rollout-external): slime starts no SGLang engine, and Turnstile generates with the embedded local "
-        "backend on the model at --hf-checkpoint.",
+        "--rollout-external-engine-addrs): slime starts no SGLang engine, and Turnstile generates with the embedded "
+        "local backend on the model at --hf-checkpoint.",
     ),
     Flag(
         "rollout_num_gpus_per_engine", "--rollout-num-gpus-per-engine", 1, _S,
@@ -484,7 +484,7 @@ def refused(args: Any) -> list[str]:
 
 
 def slime_starts_no_engines(args: Any) -> bool:
-    """`--rollout-num-gpus 0` without `--rollout-external`: slime starts its router but no SGLang engine
+    """`--rollout-num-gpus 0` without `--rollout-external-engine-addrs`: slime starts its router but no SGLang engine
     (slime/ray/rollout.py `_resolve_sglang_config`), so the bridge generates with the embedded local backend,
     on the model at `--hf-checkpoint`."""
     return (
