@@ -25,7 +25,7 @@ import yaml
 
 from scripts.slime_loop import report, task
 from scripts.slime_loop.run import REPO
-from tests.sglang_cpu.server import routed_requests
+from tests.sglang_cpu.server import LOG_REQUESTS, SGLangServer, routed_requests
 
 DRIVERS = ("train", "train_async")
 CONTROLS = ("none", "inverted_mask")
@@ -109,8 +109,6 @@ def sglang_servers(model: Path, work: Path, stack: contextlib.ExitStack) -> list
     """SGLANG_SERVERS SGLang CPU servers on the warm-started model, logging each request (the routing key
     shows which worker each turn reached), stopped when `stack` closes. slime finds them through
     --rollout-external-engine-addrs and registers them with the router it starts."""
-    from tests.sglang_cpu.server import LOG_REQUESTS, SGLangServer
-
     servers = [
         SGLangServer(model, log_path=work / f"sglang-{i}.log", extra=LOG_REQUESTS) for i in range(SGLANG_SERVERS)
     ]

@@ -84,9 +84,10 @@ def verdict(figures: list[dict[str, Any]]) -> dict[str, Any]:
         rise = f["eval_rise"] if f["eval_rise"] is not None else float("nan")
         if f["control"] == "none" and not rise >= MIN_RISE:
             problems.append(f"{f['name']}: eval reward rose {rise:.3f} (< {MIN_RISE})")
-        share = (f["affinity"] or {}).get("share") if f["backend"] == "sglang" else MIN_AFFINITY
-        if not (share is not None and share >= MIN_AFFINITY):
-            problems.append(f"{f['name']}: {share} of a trajectory's turns on one worker (< {MIN_AFFINITY})")
+        if f["backend"] == "sglang":
+            share = (f["affinity"] or {}).get("share")
+            if share is None or share < MIN_AFFINITY:
+                problems.append(f"{f['name']}: {share} of a trajectory's turns on one worker (< {MIN_AFFINITY})")
         flagged = f["mean_mismatch"] is not None and f["mean_mismatch"] >= MISMATCH_FLAG
         if f["control"] != "none" and rise >= MIN_RISE and not flagged:
             problems.append(

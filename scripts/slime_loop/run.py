@@ -46,7 +46,7 @@ def slime_flags(spec: dict[str, Any], work: Path) -> dict[str, Any]:
         "n_samples_per_prompt": spec["samples_per_prompt"],
         # slime's training steps per rollout step: rollouts (here samples) / global batch
         "global_batch_size": spec["prompts_per_step"] * spec["samples_per_prompt"] // spec["train_steps_per_rollout"],
-        "micro_batch_size": spec.get("micro_batch_size", 16),  # one padded forward per micro-batch
+        "micro_batch_size": 16,  # one padded forward per micro-batch
         "rollout_max_response_len": 64,  # two one-digit answers and the feedback between them
         "rollout_temperature": 1.0,
         "rollout_function_path": "bridge.slime.generate_rollout",

@@ -61,7 +61,7 @@ MEGATRON: dict[str, tuple[dict[str, Any], str]] = {
     "megatron.core.packed_seq_params": (
         {"PackedSeqParams": _PackedSeqParams},
         "imported at the top of megatron_utils/data.py for Megatron's packed forward, which the CPU trainer "
-        "does not use (each sample is its own forward)",
+        "does not use (one right-padded forward per micro-batch)",
     ),
 }
 
@@ -163,8 +163,7 @@ def register_cpu_accelerator() -> str | None:
     from slime.utils import accelerator
     from slime.utils.accelerator.base import Accelerator
 
-    accelerator._register_builtin_backends()
-    if any(entry.is_available() for entry in accelerator._REGISTRY.values()):
+    if accelerator.initialize_accelerator() is not None:  # slime's own choice: None where nothing is available
         return None
     cls = type("CpuAccelerator", (CpuAccelerator, Accelerator), {})
     accelerator.register_accelerator("cpu", cls, lambda: True, priority=-1000)
