@@ -7,9 +7,12 @@ wrong gets "5 is not right, try again. What is 2 + 3?" and one more turn. The te
 in 10 whatever it is (no answer is worth more than another on average: a policy must learn the table to gain).
 Train and eval prompts are drawn with different seeds.
 
-The warm start teaches the format and to read the question, not the sums: its answers are the question's first
-number, its second or a random digit, a third each (right only where a sum equals an operand, 0 + 0 and
-0 + 1, or by chance). From there what the policy gains it gains from the rewards.
+The warm start stands for a base model that can sometimes solve the task, as RL on language models starts from
+one: a quarter of its answers are the sum, the rest the question's first number, its second or a random digit, a
+third each. It leaves a policy that reads the question and answers right about one time in three on the first try
+(more where a sum equals an operand, 0 + 0 and 0 + 1); what it gains beyond that it gains from the rewards. A warm
+start of operand and random answers alone left a model of this size answering the same spread of digits whatever
+the question (it learns the answers' overall spread first), which RL in 20 steps did not get past.
 """
 
 from __future__ import annotations
@@ -54,11 +57,13 @@ def warm_start(
     *,
     seed: int,
     hidden_size: int = HIDDEN_SIZE,
-    steps: int = 120,
+    steps: int = 150,
     batch: int = 32,
+    right_share: float = 0.25,
 ) -> Path:
-    """A Qwen2 of `hidden_size` (real Qwen vocabulary) taught the answer's format and to read the question (see
-    the module's docstring), saved with its tokenizer at `path` (slime's --hf-checkpoint). Returns `path`."""
+    """A Qwen2 of `hidden_size` (real Qwen vocabulary) taught the answer's format, to read the question and to
+    answer the sum `right_share` of the time (see the module's docstring), saved with its tokenizer at `path`
+    (slime's --hf-checkpoint). Returns `path`."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from engine.models import QWEN_FIRST_ADDED_ID, QWEN_VOCAB_SIZE, load_tokenizer
@@ -74,7 +79,7 @@ def warm_start(
         bos_token_id=QWEN_FIRST_ADDED_ID, eos_token_id=QWEN_FIRST_ADDED_ID + 2,
     )  # fmt: skip
     model = Qwen2ForCausalLM(config)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # 3e-3 stalls on the answers' overall spread
     model.train()
     for _ in range(steps):
         ids, labels = [], []
@@ -83,7 +88,7 @@ def warm_start(
             row = question_row(a, b)
             prompt = tokenizer.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True)
             p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-            answer = rng.choice([a, b, rng.randrange(10)])
+            answer = a + b if rng.random() < right_share else rng.choice([a, b, rng.randrange(10)])
             a_ids = tokenizer(f"{answer}<|im_end|>", add_special_tokens=False)["input_ids"]
             ids.append(p_ids + a_ids)
             labels.append([-100] * len(p_ids) + a_ids)
