@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from scripts.slime_loop import report
-from scripts.slime_loop.batches import invert_loss_masks, save_hf, window_logits, windows
+from scripts.slime_loop.batches import freeze, invert_loss_masks, save_hf, window_logits, windows
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,6 +41,30 @@ def test_one_padded_forward_gives_each_samples_own_window_logits():
         alone = [model(input_ids=t.unsqueeze(0), logits_to_keep=w).logits for t, w in zip(samples, kept, strict=True)]
     assert batched.shape == (1, sum(kept), 64)
     torch.testing.assert_close(batched, torch.cat(alone, dim=1), rtol=1e-4, atol=1e-5)
+
+
+def test_slimes_freeze_flags_leave_only_the_matched_parameters_to_train():
+    from argparse import Namespace
+
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    def trainable(**flags):
+        model = Qwen2ForCausalLM(
+            Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+        )  # fmt: skip
+        freeze(model, Namespace(**flags))
+        return model, {name for name, p in model.named_parameters() if p.requires_grad}
+
+    model, names = trainable(freeze_params_name_list=["embed_tokens"])
+    assert "model.embed_tokens.weight" not in names and not model.lm_head.weight.requires_grad  # tied: both
+    assert "model.layers.0.self_attn.q_proj.weight" in names and "model.norm.weight" in names
+    _, names = trainable(only_train_params_name_list=[r"layers\.1\."], freeze_params_name_list=["mlp"])
+    assert names and all(".layers.1." in n and ".mlp." not in n for n in names)  # slime's order: only, then freeze
+    _, names = trainable()
+    assert "model.embed_tokens.weight" in names
+    with pytest.raises(ValueError, match="leave no parameter to train"):
+        trainable(only_train_params_name_list=["no-such-parameter"])
 
 
 def test_the_negative_control_trains_on_the_environments_tokens_with_slimes_mask_sums():
@@ -174,3 +198,15 @@ def test_a_right_answer_after_a_wrong_one_earns_the_later_credit():
     observation, done, info = later.step("4")
     assert not done and "4 is not right" in observation["obs_str"] and "reward" not in info
     assert later.step("5")[1:] == (True, {"attempts": 2, "guess": 5, "reward": 0.25})
+
+
+def test_the_warm_start_says_how_often_its_first_answer_is_right_and_the_report_shows_it(tmp_path):
+    from scripts.slime_loop import task
+    from scripts.slime_loop.task import QUESTIONS, WARM_START_FILE
+
+    checkpoint = task.warm_start(tmp_path / "warm", seed=0, hidden_size=16, steps=2)
+    learned = json.loads((checkpoint / WARM_START_FILE).read_text())
+    assert len(learned["p_right_first"]) == len(QUESTIONS) and all(0 < p < 1 for p in learned["p_right_first"])
+    assert learned["mean"] == pytest.approx(sum(learned["p_right_first"]) / len(QUESTIONS))
+    run = write_run(tmp_path, "run", "none", [0.2, 0.3, 0.4, 0.5], mismatch=0.01) | {"hf_checkpoint": str(checkpoint)}
+    assert report.run_figures(run)["warm_start"] == learned

@@ -3,6 +3,7 @@ without a checkout in tests/test_slime_loop.py)."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -34,6 +35,24 @@ def window_logits(model: Any, full_tokens: list[torch.Tensor], window_lengths: l
     hidden = model.get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state
     kept = torch.cat([hidden[i, n - w : n] for i, (n, w) in enumerate(zip(lengths, window_lengths, strict=True))])
     return model.get_output_embeddings()(kept).float().unsqueeze(0)
+
+
+def freeze(model: torch.nn.Module, args: Any) -> None:
+    """slime's `--only-train-params-name-list` and `--freeze-params-name-list` (regexes, `re.search` on each
+    parameter's name), applied in slime's order (megatron_utils/model_provider.py `freeze_model_params`): the
+    first leaves only what it matches trainable, then the second freezes what it matches. The names are the
+    Hugging Face model's (`model.embed_tokens.weight`, `model.layers.0.self_attn.q_proj.weight`), not
+    Megatron's. Raises ValueError when nothing is left to train."""
+    only, frozen = getattr(args, "only_train_params_name_list", None), getattr(args, "freeze_params_name_list", None)
+    for name, param in model.named_parameters():
+        if only:
+            param.requires_grad = any(re.search(pattern, name) for pattern in only)
+        if frozen and any(re.search(pattern, name) for pattern in frozen):
+            param.requires_grad = False
+    if not any(param.requires_grad for param in model.parameters()):
+        raise ValueError(
+            f"--only-train-params-name-list {only} / --freeze-params-name-list {frozen} leave no parameter to train"
+        )
 
 
 def invert_loss_masks(data: dict[str, Any]) -> None:

@@ -49,6 +49,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--samples-per-prompt", type=int, default=16)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument(
+        "--freeze-params", default="",
+        help="slime's --freeze-params-name-list for the trainer (comma-separated regexes; empty: train everything)",
+    )  # fmt: skip
+    p.add_argument(
         "--backend", choices=BACKENDS, default="embedded",
         help="embedded: the model slime trains generates in the rollout actor; sglang: two SGLang CPU servers "
         "(--rollout-external-engine-addrs) behind the sglang-router slime starts, with its default policy",
@@ -143,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
                     "steps": opts.steps, "prompts_per_step": opts.prompts_per_step,
                     "samples_per_prompt": opts.samples_per_prompt, "eval_samples_per_prompt": 2, "lr": opts.lr,
                     "train_steps_per_rollout": opts.train_steps_per_rollout,
+                    "freeze_params": [p for p in opts.freeze_params.split(",") if p],
                     "partial_rollout": True, **prepare(opts.out, seed, opts.max_turns, opts.later_credit),
                 }  # fmt: skip
                 print(f"{name}: running", flush=True)

@@ -18,6 +18,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from scripts.slime_loop.task import WARM_START_FILE
+
 MIN_RISE = 0.3
 MISMATCH_FLAG = 0.5  # mean |log-prob difference| a run must stay under to pass slime's check here
 MIN_AFFINITY = 0.95  # share of a trajectory's turns on the worker of most of its turns (SGLang runs)
@@ -71,7 +73,14 @@ def run_figures(run: dict[str, Any]) -> dict[str, Any]:
         "prompts_lost": sum(max(0, expected - rollouts[r]["samples"]) for r in rollouts) // run["samples_per_prompt"],
         "removed": sum(r["removed"] for r in rollouts.values()),
         "affinity": run.get("affinity"),
+        "warm_start": _warm_start(run.get("hf_checkpoint")),
     }  # fmt: skip
+
+
+def _warm_start(checkpoint: str | None) -> dict[str, Any] | None:
+    """What the run's warm start learned (task.warm_start), where it says."""
+    path = Path(checkpoint) / WARM_START_FILE if checkpoint else None
+    return json.loads(path.read_text()) if path and path.exists() else None
 
 
 def verdict(figures: list[dict[str, Any]]) -> dict[str, Any]:

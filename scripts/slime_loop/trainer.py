@@ -7,6 +7,8 @@ same work in the same order with slime's own functions, on a Hugging Face model 
 - slime's `DataIterator` walks the micro-batch schedule RolloutManager built (`build_dp_schedule`);
 - the old policy's (and, with a KL term, the reference's) log-probs come from slime's
   `get_log_probs_and_entropy`; `compute_advantages_and_returns` makes GRPO returns with the KL;
+- slime's `--only-train-params-name-list` / `--freeze-params-name-list` leave trainable what slime's model
+  provider would (`batches.freeze`, on the Hugging Face parameter names);
 - each training step sums slime's `loss_function` (the clipped policy loss, entropy, KL loss, and the
   rollout-vs-train log-prob mismatch metrics) over its micro-batches, then one AdamW step;
 - `update_weights` writes the model as HF weights to `--update-weight-disk-dir/weight_vNNNNNN`, the
@@ -34,7 +36,7 @@ from slime.backends.megatron_utils.loss import compute_advantages_and_returns, g
 from slime.ray.train_actor import TrainRayActor
 from slime.utils.data import process_rollout_data
 
-from scripts.slime_loop.batches import invert_loss_masks, save_hf, window_logits, windows
+from scripts.slime_loop.batches import freeze, invert_loss_masks, save_hf, window_logits, windows
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +66,7 @@ class CpuTrainRayActor(TrainRayActor):
             "--use-critic": args.use_critic,
             "--use-opd with megatron teacher": with_opd_teacher,
             "--keep-old-actor": getattr(args, "keep_old_actor", False),
+            "--freeze-indexer (no DSA indexer here)": getattr(args, "freeze_indexer", False),
         }
         if bad := [flag for flag, on in refused.items() if on]:
             raise ValueError(f"the CPU trainer does not support {', '.join(bad)}")
@@ -79,10 +82,11 @@ class CpuTrainRayActor(TrainRayActor):
 
         self.model = AutoModelForCausalLM.from_pretrained(args.hf_checkpoint, dtype=torch.float32)
         self.model.train()
+        freeze(self.model, args)
         self.ref_model = copy.deepcopy(self.model).eval() if with_ref else None
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
-            weight_decay=args.weight_decay,
+            [p for p in self.model.parameters() if p.requires_grad], lr=args.lr,
+            betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, weight_decay=args.weight_decay,
         )  # fmt: skip
         self.train_parallel_config = {
             "dp_size": 1,
