@@ -81,15 +81,14 @@ def warm_start(
         bos_token_id=QWEN_FIRST_ADDED_ID, eos_token_id=QWEN_FIRST_ADDED_ID + 2,
     )  # fmt: skip
     model = Qwen2ForCausalLM(config)
+    prompts = {q: prompt_ids(tokenizer, *q) for q in QUESTIONS}
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # 3e-3 stalls on the answers' overall spread
     model.train()
     for _ in range(steps):
         ids, labels = [], []
         for _ in range(batch):
             a, b = rng.choice(QUESTIONS)
-            row = question_row(a, b)
-            prompt = tokenizer.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True)
-            p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            p_ids = prompts[a, b]
             answer = a + b if rng.random() < right_share else rng.choice([a, b, rng.randrange(10)])
             a_ids = tokenizer(f"{answer}<|im_end|>", add_special_tokens=False)["input_ids"]
             ids.append(p_ids + a_ids)
@@ -109,22 +108,25 @@ def warm_start(
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
-    right = right_first_answer(model, tokenizer)
+    right = right_first_answer(model, tokenizer, prompts)
     learned = {"steps": steps, "right_share": right_share, "p_right_first": right, "mean": sum(right) / len(right)}
     (path / WARM_START_FILE).write_text(json.dumps(learned))
     return path
 
 
-def right_first_answer(model: Any, tokenizer: Any) -> list[float]:
-    """Each question's probability that `model`'s first answer is its sum (a one-digit answer's first token)."""
+def prompt_ids(tokenizer: Any, a: int, b: int) -> list[int]:
+    """The question's prompt as slime renders it (`--apply-chat-template`), as token ids."""
+    prompt = tokenizer.apply_chat_template(question_row(a, b)["messages"], tokenize=False, add_generation_prompt=True)
+    return tokenizer(prompt, add_special_tokens=False)["input_ids"]
+
+
+def right_first_answer(model: Any, tokenizer: Any, prompts: dict[tuple[int, int], list[int]]) -> list[float]:
+    """Each question's probability that `model`'s first answer is its sum (a one-digit answer's first token),
+    from `prompts` (each question's `prompt_ids`)."""
     right = []
     for a, b in QUESTIONS:
-        prompt = tokenizer.apply_chat_template(
-            question_row(a, b)["messages"], tokenize=False, add_generation_prompt=True
-        )
-        ids = torch.tensor([tokenizer(prompt, add_special_tokens=False)["input_ids"]])
         with torch.no_grad():
-            probs = torch.softmax(model(input_ids=ids).logits[0, -1].float(), -1)
+            probs = torch.softmax(model(input_ids=torch.tensor([prompts[a, b]])).logits[0, -1].float(), -1)
         right.append(probs[tokenizer(str(a + b), add_special_tokens=False)["input_ids"][0]].item())
     return right
 
