@@ -7,12 +7,14 @@ uses the standard library (with -S nothing else is importable).
 The process stays as a supervisor (PID 1 of the sandbox's PID namespace, where there is one): it forks
 the worker, waits for it and writes its exit status, or the signal that ended it, as JSON to the status
 pipe the sandbox passed (`status_fd`), which the worker closes before anything else, so the code cannot
-write there. The worker, in order:
+write there. Where the call has a control group, the supervisor waits to fork until the sandbox has moved
+it into the group (a byte on `go_fd`), so the worker and all it starts are in it. The worker, in order:
 
-1. Landlock (where the kernel has it): reading stays allowed everywhere, writing only beneath the
-   scratch directory (and /dev/null); TCP connect and bind are refused (Landlock ABI 4 and later);
-   signals and abstract Unix sockets stay within the sandbox (ABI 6 and later). Landlock also stops
-   the process from reading other processes' memory or /proc/PID/environ.
+1. In the hand-built sandbox, Landlock (where the kernel has it; under bubblewrap, its own root and
+   namespaces hold this and more): reading stays allowed everywhere, writing only beneath the scratch
+   directory (and /dev/null); TCP connect and bind are refused (Landlock ABI 4 and later); signals and
+   abstract Unix sockets stay within the sandbox (ABI 6 and later). Landlock also stops the process
+   from reading other processes' memory or /proc/PID/environ.
 2. Resource limits, soft and hard alike so the code cannot raise them again: CPU seconds, address
    space, open files, processes, file size, no core files.
 3. `main.py`, as `__main__`; a traceback shows the code's own frames only.
@@ -20,7 +22,6 @@ write there. The worker, in order:
 
 import atexit
 import contextlib
-import ctypes
 import json
 import os
 import resource
@@ -38,45 +39,44 @@ _NET_TCP = 1 << 0 | 1 << 1  # bind, connect
 _SCOPED = 1 << 0 | 1 << 1  # abstract unix sockets, signals
 
 
-class _RulesetAttr(ctypes.Structure):
-    _fields_ = [
-        ("handled_access_fs", ctypes.c_uint64),
-        ("handled_access_net", ctypes.c_uint64),
-        ("scoped", ctypes.c_uint64),
-    ]
-
-
-class _PathBeneathAttr(ctypes.Structure):
-    _pack_ = 1
-    _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
-
-
 def restrict_filesystem_and_network(scratch: str, abi: int) -> None:
     """Landlock: write only beneath `scratch`, no TCP, no signals out. Raises OSError if the kernel refuses."""
+    import ctypes  # here, not at the top: under bubblewrap there is no Landlock to set, nor its import to pay
+
+    class RulesetAttr(ctypes.Structure):
+        _fields_ = [
+            ("handled_access_fs", ctypes.c_uint64),
+            ("handled_access_net", ctypes.c_uint64),
+            ("scoped", ctypes.c_uint64),
+        ]
+
+    class PathBeneathAttr(ctypes.Structure):
+        _pack_ = 1
+        _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+    def check(result: int) -> int:
+        if result < 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, os.strerror(errno))
+        return result
+
     libc = ctypes.CDLL(None, use_errno=True)
     libc.syscall.restype = ctypes.c_long
     handled_fs = _FS_BY_ABI[max(level for level in _FS_BY_ABI if level <= abi)]
-    attr = _RulesetAttr(handled_fs, _NET_TCP if abi >= 4 else 0, _SCOPED if abi >= 6 else 0)
+    attr = RulesetAttr(handled_fs, _NET_TCP if abi >= 4 else 0, _SCOPED if abi >= 6 else 0)
     size = ctypes.sizeof(attr) if abi >= 6 else 16 if abi >= 4 else 8
-    ruleset = _check(libc.syscall(_CREATE_RULESET, ctypes.byref(attr), ctypes.c_size_t(size), ctypes.c_uint32(0)))
+    ruleset = check(libc.syscall(_CREATE_RULESET, ctypes.byref(attr), ctypes.c_size_t(size), ctypes.c_uint32(0)))
     file_rights = _WRITE_FILE | _READ_FILE | (1 << 14 if abi >= 3 else 0)  # truncate
     for path, rights in (("/", _READ), (scratch, handled_fs), ("/dev/null", file_rights)):
         fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
         try:
-            rule = _PathBeneathAttr(rights, fd)
-            _check(libc.syscall(_ADD_RULE, ruleset, _RULE_PATH_BENEATH, ctypes.byref(rule), ctypes.c_uint32(0)))
+            rule = PathBeneathAttr(rights, fd)
+            check(libc.syscall(_ADD_RULE, ruleset, _RULE_PATH_BENEATH, ctypes.byref(rule), ctypes.c_uint32(0)))
         finally:
             os.close(fd)
-    _check(libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0))
-    _check(libc.syscall(_RESTRICT_SELF, ruleset, ctypes.c_uint32(0)))
+    check(libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0))
+    check(libc.syscall(_RESTRICT_SELF, ruleset, ctypes.c_uint32(0)))
     os.close(ruleset)
-
-
-def _check(result: int) -> int:
-    if result < 0:
-        errno = ctypes.get_errno()
-        raise OSError(errno, os.strerror(errno))
-    return result
 
 
 def set_limits(limits: dict) -> None:
@@ -131,6 +131,9 @@ def work(config: dict) -> None:
 
 def main() -> None:
     config = json.loads(sys.argv[1])
+    if config.get("go_fd") is not None:  # the sandbox moves this process into the call's control group first
+        os.read(config["go_fd"], 1)
+        os.close(config["go_fd"])
     worker = os.fork()
     if worker == 0:
         work(config)
