@@ -86,6 +86,14 @@ def weight_directories(weights_dir: Path) -> list[tuple[int, Path]]:
     return [(int(m[1]), p) for p in weights_dir.iterdir() if p.is_dir() and (m := WEIGHT_DIRECTORY.fullmatch(p.name))]
 
 
+def _mtime(path: Path) -> float | None:
+    """The modification time, or None for a directory removed meanwhile (the trainer may prune old versions)."""
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return None
+
+
 PINNING_POLICIES = ("consistent_hashing", "manual")  # sglang-router's policies that route by X-SMG-Routing-Key
 
 
@@ -338,7 +346,7 @@ class RolloutService:
         (by modification time: slime numbers each run's versions from its start, so an earlier run's may have
         higher numbers), if not loaded yet, loaded as SGLang engines would (generation paused, then resumed by
         the step on version NNNNNN). Trajectories paused at the end of the last step go on with these weights."""
-        found = max(((p.stat().st_mtime, v, p) for v, p in weight_directories(weights_dir)), default=None)
+        found = max(((mtime, v, p) for v, p in weight_directories(weights_dir) if (mtime := _mtime(p))), default=None)
         if found is None:
             return
         written, version, path = found

@@ -210,3 +210,26 @@ def test_the_warm_start_says_how_often_its_first_answer_is_right_and_the_report_
     assert learned["mean"] == pytest.approx(sum(learned["p_right_first"]) / len(QUESTIONS))
     run = write_run(tmp_path, "run", "none", [0.2, 0.3, 0.4, 0.5], mismatch=0.01) | {"hf_checkpoint": str(checkpoint)}
     assert report.run_figures(run)["warm_start"] == learned
+
+
+def test_the_loop_can_drop_groups_that_all_earned_the_same_with_slimes_own_filter(tmp_path):
+    """`--dynamic-filter zero-std` makes slime's check_reward_nonzero_std the run's --dynamic-sampling-filter-path;
+    the default, 'none', gives no filter."""
+    from scripts.slime_loop import main, run
+    from scripts.slime_train_path.slime_args import to_argv
+
+    spec = {
+        "hf_checkpoint": "m", "train_data": "t", "eval_data": "e", "custom_config": "c", "seed": 0, "steps": 1,
+        "prompts_per_step": 2, "samples_per_prompt": 2, "train_steps_per_rollout": 1, "eval_samples_per_prompt": 1,
+        "lr": 1e-4, "backend": "embedded",
+    }  # fmt: skip
+    assert main.parse(["/slime"]).dynamic_filter == "none" and main.FILTERS["none"] is None
+    chosen = main.FILTERS[main.parse(["/slime", "--dynamic-filter", "zero-std"]).dynamic_filter]
+    assert chosen == "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std"
+    argv = to_argv(run.slime_flags({**spec, "dynamic_filter": chosen}, tmp_path))
+    assert argv[argv.index("--dynamic-sampling-filter-path") + 1] == chosen
+    assert "--dynamic-sampling-filter-path" not in to_argv(run.slime_flags({**spec, "dynamic_filter": None}, tmp_path))
+    checkout = os.environ.get("TURNSTILE_SLIME_CHECKOUT")
+    if checkout:  # the path names slime's own function
+        module, _, name = chosen.rpartition(".")
+        assert f"def {name}(" in (Path(checkout) / (module.replace(".", "/") + ".py")).read_text()

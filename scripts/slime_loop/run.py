@@ -61,6 +61,7 @@ def slime_flags(spec: dict[str, Any], work: Path) -> dict[str, Any]:
         # slime's own flag, on the Hugging Face names (`--freeze-params embed_tokens`: the embedding and the
         # output layer tied to it, 151,936 rows that otherwise all take an Adam step each update)
         "freeze_params_name_list": spec.get("freeze_params") or None,
+        "dynamic_sampling_filter_path": spec.get("dynamic_filter"),
         "kl_coef": 0.0,
         "entropy_coef": 0.0,
         "actor_num_nodes": 1,

@@ -26,6 +26,7 @@ import gc
 import json
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -36,10 +37,12 @@ from slime.backends.megatron_utils.loss import compute_advantages_and_returns, g
 from slime.ray.train_actor import TrainRayActor
 from slime.utils.data import process_rollout_data
 
+from bridge.service import weight_directories
 from scripts.slime_loop.batches import freeze, invert_loss_masks, save_hf, window_logits, windows
 
 logger = logging.getLogger(__name__)
 
+KEPT_WEIGHT_VERSIONS = 3  # the newest versions kept on disk (the embedded model loads the newest)
 TRAIN_KEYS = [
     "tokens", "total_lengths", "response_lengths", "loss_masks", "log_probs", "ref_log_probs", "advantages",
     "returns", "rollout_log_probs", "rollout_mask_sums",
@@ -184,6 +187,9 @@ class CpuTrainRayActor(TrainRayActor):
         target = Path(self.args.update_weight_disk_dir) / f"weight_v{self.weight_version:06d}"
         save_hf(self.model, target)
         self._record({"weights_written": str(target), "weight_version": self.weight_version})
+        for version, directory in weight_directories(target.parent):  # 20 steps of 8 runs kept whole: 26 GB
+            if version <= self.weight_version - KEPT_WEIGHT_VERSIONS:
+                shutil.rmtree(directory, ignore_errors=True)
 
     def sleep(self, tags: Any = None) -> None:
         return None  # nothing is offloaded on a CPU (--offload-train is refused at init)
