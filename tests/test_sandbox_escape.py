@@ -3,6 +3,7 @@ ordinary user; and the reward hack that gets through the hand-built fallback fai
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -114,3 +115,12 @@ def test_the_sandbox_is_chosen_at_start_and_a_bad_choice_is_one_error(monkeypatc
         fallback = isolation.__wrapped__()
     assert fallback.tool is Tool.UNSHARE
     assert "python sandbox: no bubblewrap: the code reads every file its user may" in caplog.text  # said loudly
+
+
+async def test_a_sandbox_that_fails_to_start_says_so_and_is_not_taken_for_a_kill():
+    bubblewrap_or_fail()
+    found = isolation()
+    broken = dataclasses.replace(found, root=("--ro-bind", "/nonexistent-turnstile-path", "/x", *found.root))
+    result = await run_python("print('never')", FAST, found=broken)
+    assert result.exit_code == 1 and result.signal is None and result.limits_hit == ()
+    assert "nonexistent-turnstile-path" in result.stderr and "never" not in result.stdout

@@ -163,9 +163,11 @@ class CallGroup:
         return group
 
     def join(self, pid: int) -> None:
-        """Move `pid` into the group, in every hierarchy (what it starts afterwards is in it too)."""
+        """Move `pid` into the group, in every hierarchy (what it starts afterwards is in it too); a process
+        that has already exited is left be."""
         for directory in self.directories:
-            (directory / "cgroup.procs").write_text(str(pid))
+            with contextlib.suppress(ProcessLookupError):
+                (directory / "cgroup.procs").write_text(str(pid))
 
     def oom_kills(self) -> int:
         """Processes the kernel killed because the group reached its memory limit."""

@@ -222,8 +222,15 @@ def _bubblewrap(landlock: int, cgroup: CgroupParent | None) -> Isolation | None:
             Tool.BUBBLEWRAP, landlock, python, uid_per_call=as_root, cgroup=cgroup, seccomp=seccomp,
             root=_root_arguments(python),
         )  # fmt: skip
-        if _runs(_bwrap_arguments(found, {}) + [python, *_PROBE], _call_uid() if as_root else None):
-            return found
+        program = _memory_file("seccomp", seccomp) if seccomp is not None else None
+        try:
+            passed = {"seccomp": program} if program is not None else {}
+            command = _bwrap_arguments(found, passed) + [python, *_PROBE]
+            if _runs(command, _call_uid() if as_root else None, tuple(passed.values())):
+                return found
+        finally:
+            if program is not None:
+                os.close(program)
     return None
 
 
@@ -290,10 +297,11 @@ def _nobody() -> int:
         return 65534
 
 
-def _runs(command: list[str], user: int | None) -> bool:
+def _runs(command: list[str], user: int | None, pass_fds: tuple[int, ...] = ()) -> bool:
     as_user = {"user": user, "group": user, "extra_groups": []} if user is not None else {}
     try:
-        return subprocess.run(command, capture_output=True, timeout=10, cwd="/", **as_user).returncode == 0
+        done = subprocess.run(command, capture_output=True, timeout=10, cwd="/", pass_fds=pass_fds, **as_user)
+        return done.returncode == 0
     except (OSError, subprocess.SubprocessError):
         return False
 
@@ -574,7 +582,11 @@ async def _run(
         hit.append(Limit.MEMORY)
     if output.exceeded:
         hit.append(Limit.OUTPUT)
-    return _result(_exit_code(status_read), output, hit, time.monotonic() - started, limits)
+    code = _exit_code(status_read)
+    if code is None and not hit and process.returncode and process.returncode > 0:
+        code = process.returncode  # the sandbox itself failed before the code ran (its stderr says why)
+        log.warning("python sandbox: %s exited %d before running the code", command[0], code)
+    return _result(code, output, hit, time.monotonic() - started, limits)
 
 
 def _exit_code(status_read: int) -> int | None:
