@@ -9,7 +9,7 @@ For each sandbox:
 - calls per second: the same `--calls` trivial calls, `--concurrency` at a time;
 - the python_tool env's turns per second: `--episodes` episodes stepped at once, each `--turns` tool calls
   (a short computation) then a final answer, through the env's own `astep` (the sandbox is the only work).
-Targets (issue 26): p50 start latency at most 2x the old sandbox's; the env's turns per second within 20%.
+Targets: p50 start latency at most 2x the old sandbox's; the env's turns per second within 20%.
 The report has the machine's core count and load average: on a shared machine, the figures move with it.
 """
 

@@ -16,12 +16,12 @@ under bubblewrap (`bwrap`, Debian's `bubblewrap`), chosen once at start and logg
   (seccomp.py) refusing mount, unshare and setns, keyctl, io_uring, ptrace, BPF and the like;
 - as root, a uid of its own per call (so not root's, nor another call's);
 - one control group per call where this process may make one (cgroups.py): memory (anonymous, shared and
-  tmpfs pages together) and process count for the whole call, not per process;
+  tmpfs pages together) for the whole call, not per process, and on cgroup v2 the process count;
 - inside, child.py: resource limits per process (CPU seconds, address space, open files, processes, file
   size). (The hand-built sandbox adds Landlock: bubblewrap's read-only root and namespaces hold what it
   held, and its ctypes import would double a call's start-up cost.)
 
-Where bubblewrap is missing or cannot run, the hand-built sandbox of before stays as a fallback (`unshare`
+Where bubblewrap is missing or cannot run, the hand-built sandbox stays as a fallback (`unshare`
 namespaces where allowed, Landlock, resource limits, a scratch directory in the host's temporary
 directory), and it says loudly, once, what it cannot hold. `TURNSTILE_SANDBOX=bubblewrap|unshare|none`
 picks one at start (an unusable choice is an error).
