@@ -99,7 +99,7 @@ async def _still_forks() -> bool:
 async def test_a_memory_hog_gets_a_memory_error():
     result = await run_python("hog = bytearray(4 << 30)", FAST)
     assert result.exit_code == 1 and "memory" in result.limits_hit
-    assert "the memory limit of 512 MiB was reached (MemoryError)" in result.observation()
+    assert "the memory limit of 512 MiB was reached" in result.observation()
 
 
 async def test_huge_output_is_cut_off_and_truncated_with_a_marker():

@@ -354,7 +354,7 @@ class SandboxResult:
 _LIMIT_TEXT = {
     Limit.WALL_TIME: "killed: the wall-clock limit of {limits.wall_seconds:g} s was reached",
     Limit.CPU_TIME: "killed: the CPU time limit of {limits.cpu_seconds} s was reached",
-    Limit.MEMORY: "the memory limit of {limits.memory_mib} MiB was reached (MemoryError)",
+    Limit.MEMORY: "the memory limit of {limits.memory_mib} MiB was reached",
     Limit.OUTPUT: "killed: the output limit of {limits.output_bytes} bytes was exceeded",
     Limit.PROCESSES: "the process limit of {limits.processes} was reached (a fork or thread start failed)",
     Limit.FILE_SIZE: "the file size limit of {limits.file_mib} MiB was reached",
