@@ -94,7 +94,8 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         "dynamic_sampling_filter_path", "--dynamic-sampling-filter-path", None, _H,
-        "Run on each finished group (keep_when_insufficient too); drops counted as rollout/dynamic_filter/drop_*.",
+        "Run on each finished group; drops counted as rollout/dynamic_filter/drop_*; a keep_when_insufficient "
+        "group is dropped only within the step's over-sampling margin, as slime drops it only from one round.",
     ),
     Flag(
         "partial_rollout", "--partial-rollout", False, _H,

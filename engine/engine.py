@@ -19,6 +19,7 @@ import functools
 import gc
 import itertools
 import logging
+import math
 import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
@@ -57,7 +58,8 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class Verdict:
     """A group filter's answer (slime's DynamicFilterOutput): keep the group, or drop it for `reason`;
-    `keep_when_insufficient` keeps a dropped group when the step could not be filled without it."""
+    `keep_when_insufficient` keeps a dropped group when the step could not be filled without it, or once the
+    step has dropped its over-sampling margin (slime: no second sampling round for such a group)."""
 
     keep: bool
     reason: str | None = None
@@ -164,6 +166,8 @@ class RolloutEngine:
         self._dropped_groups: list[Group] = []  # dropped by the filter since `take_dropped` was last called
         self._settled: set[int] = set()  # members of open groups that have ended and been scored
         self._wanted = 0  # finished groups the running `rollout` call still needs
+        self._margin = 0  # groups the running `rollout` call may drop before keep_when_insufficient keeps them
+        self._step_drops = 0
         self._counts: Counter[str] = Counter()
         self._num_inflight = 0
         self._exhausted = False
@@ -215,6 +219,7 @@ class RolloutEngine:
         partial = self.config.partial_rollout
         goal, refilled = self.config.step_groups(target_groups)
         self._wanted = target_groups
+        self._margin, self._step_drops = math.ceil(target_groups * self.config.over_sampling) - target_groups, 0
         while len(self._done) < target_groups:
             self._admit(goal)
             if refilled > goal:  # the step's tail: start more groups while the servers could take more
@@ -492,6 +497,7 @@ class RolloutEngine:
             return
         reason = verdict.reason or "unspecified"
         self._dropped[reason] += 1
+        self._step_drops += 1
         self._dropped_groups.append(group)
         for observer in self.observers:
             observer.group_dropped(group, reason)
@@ -534,7 +540,10 @@ class RolloutEngine:
 
     async def _verdict(self, group: Group) -> Verdict | FilterError:
         """Whether to keep a finished group: the filter's answer, with slime's rule for
-        `keep_when_insufficient`; a filter that raises or answers out of shape gives a FILTER error."""
+        `keep_when_insufficient` (kept when the step has no other candidate for its place, or has dropped its
+        over-sampling margin already: slime drops such groups only from the one round of
+        `--over-sampling-batch-size` it sampled; replacing each drop, as for other groups, would sample without
+        end once every group earns the same); a filter that raises or answers out of shape gives a FILTER error."""
         if self.group_filter is None:
             return Verdict(keep=True)
         try:
@@ -551,7 +560,8 @@ class RolloutEngine:
             )
         verdict = answer if isinstance(answer, Verdict) else Verdict(keep=answer is None, reason=answer)
         candidates = len(self._open) + len(self._done)  # groups this step can still return, this one too
-        if not verdict.keep and verdict.keep_when_insufficient and candidates <= self._wanted:
+        insufficient = candidates <= self._wanted or (self._wanted and self._step_drops >= self._margin)
+        if not verdict.keep and verdict.keep_when_insufficient and insufficient:
             return Verdict(keep=True)
         return verdict
 

@@ -164,6 +164,30 @@ async def test_a_filter_verdict_keeps_a_group_only_when_the_step_could_not_be_fi
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("over_sampling", [1.0, 2.0])
+async def test_keep_when_insufficient_drops_at_most_the_over_sampling_margin_however_many_rows_are_left(
+    encoder, over_sampling
+):
+    """slime drops a keep_when_insufficient group only from its one over-sampling round, never sampling
+    again for it: two wanted with forty rows waiting and every group rejected, the step drops
+    `2 * over_sampling - 2` groups and keeps the next two (were: a drop replaced by a fresh group each time,
+    which samples without end once every group earns the same reward)."""
+
+    def reject(group):
+        return Verdict(False, "zero_std_1.0", keep_when_insufficient=True)
+
+    cfg = config(partial_rollout=True, over_sampling=over_sampling, max_inflight=16)
+    async with engine_with(encoder, rows(40), group_filter=reject, cfg=cfg) as engine:
+        groups = await engine.rollout(2)
+        dropped = engine.take_dropped()
+        second = await engine.rollout(2)  # the margin is the step's own: the next step may drop again
+        dropped_next = engine.take_dropped()
+    margin = int(2 * over_sampling) - 2
+    assert (len(groups), len(dropped)) == (2, margin)
+    assert (len(second), len(dropped_next)) == (2, margin)
+
+
+@pytest.mark.anyio
 async def test_a_filter_that_raises_fails_that_group_only_and_a_failed_step_raises_naming_the_class(encoder):
     def broken(group):
         if group.group_id == 0:

@@ -213,8 +213,9 @@ def test_the_warm_start_says_how_often_its_first_answer_is_right_and_the_report_
 
 
 def test_the_loop_can_drop_groups_that_all_earned_the_same_with_slimes_own_filter(tmp_path):
-    """`--dynamic-filter zero-std` makes slime's check_reward_nonzero_std the run's --dynamic-sampling-filter-path;
-    the default, 'none', gives no filter."""
+    """The default, `--dynamic-filter zero-std-fallback`, makes slime's check_reward_nonzero_std_with_fallback the
+    run's --dynamic-sampling-filter-path (with the over-sampling margin it drops from); 'zero-std' its strict
+    check_reward_nonzero_std; 'none' no filter; a name of none of them is refused."""
     from scripts.slime_loop import main, run
     from scripts.slime_train_path.slime_args import to_argv
 
@@ -223,13 +224,20 @@ def test_the_loop_can_drop_groups_that_all_earned_the_same_with_slimes_own_filte
         "prompts_per_step": 2, "samples_per_prompt": 2, "train_steps_per_rollout": 1, "eval_samples_per_prompt": 1,
         "lr": 1e-4, "backend": "embedded",
     }  # fmt: skip
-    assert main.parse(["/slime"]).dynamic_filter == "none" and main.FILTERS["none"] is None
-    chosen = main.FILTERS[main.parse(["/slime", "--dynamic-filter", "zero-std"]).dynamic_filter]
-    assert chosen == "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std"
-    argv = to_argv(run.slime_flags({**spec, "dynamic_filter": chosen}, tmp_path))
+    assert main.FILTERS[main.parse(["/slime", "--dynamic-filter", "none"]).dynamic_filter] is None
+    with pytest.raises(SystemExit):
+        main.parse(["/slime", "--dynamic-filter", "zero_std"])
+    strict = main.FILTERS[main.parse(["/slime", "--dynamic-filter", "zero-std"]).dynamic_filter]
+    assert strict == "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std"
+    chosen = main.FILTERS[main.parse(["/slime"]).dynamic_filter]
+    assert chosen == "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std_with_fallback"
+    argv = to_argv(run.slime_flags({**spec, "dynamic_filter": chosen, "partial_rollout": True}, tmp_path))
     assert argv[argv.index("--dynamic-sampling-filter-path") + 1] == chosen
+    # the margin it drops from: slime's over-sampling round, twice the step's prompts
+    assert int(argv[argv.index("--over-sampling-batch-size") + 1]) == 2 * spec["prompts_per_step"]
     assert "--dynamic-sampling-filter-path" not in to_argv(run.slime_flags({**spec, "dynamic_filter": None}, tmp_path))
     checkout = os.environ.get("TURNSTILE_SLIME_CHECKOUT")
-    if checkout:  # the path names slime's own function
-        module, _, name = chosen.rpartition(".")
-        assert f"def {name}(" in (Path(checkout) / (module.replace(".", "/") + ".py")).read_text()
+    if checkout:  # the paths name slime's own functions
+        for path in (strict, chosen):
+            module, _, name = path.rpartition(".")
+            assert f"def {name}(" in (Path(checkout) / (module.replace(".", "/") + ".py")).read_text()

@@ -30,11 +30,19 @@ from tests.sglang_cpu.server import LOG_REQUESTS, SGLangServer, routed_requests
 DRIVERS = ("train", "train_async")
 CONTROLS = ("none", "inverted_mask")
 BACKENDS = ("embedded", "sglang")
-# slime's own filter: a group whose samples all earned the same reward has no advantage to learn from; kept, it
-# adds only noise, which Adam scales up to full-size steps once most groups are solved (a policy at 1.0 fell back)
+# slime's own filters: a group whose samples all earned the same reward has no advantage to learn from; kept, it
+# adds only noise, which Adam scales up to full-size steps once most groups are solved (a policy at 1.0 fell back).
+# The strict one samples on until every group differs, without end once the policy solves every question; the
+# fallback drops such groups only from the step's over-sampling margin (--over-sampling-batch-size, 2x here)
 ZERO_STD_FILTER = "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std"
-FILTERS = {"none": None, "zero-std": ZERO_STD_FILTER}
+FILTERS = {"none": None, "zero-std": ZERO_STD_FILTER, "zero-std-fallback": f"{ZERO_STD_FILTER}_with_fallback"}
 SGLANG_SERVERS = 2
+
+
+def _filter(value: str) -> str:
+    if value in FILTERS or "." in value:
+        return value
+    raise argparse.ArgumentTypeError(f"{value!r} is none of {', '.join(FILTERS)}, nor a function's dotted path")
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -53,9 +61,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--samples-per-prompt", type=int, default=16)
     p.add_argument("--lr", type=float, default=5e-4, help="AdamW's (1e-3 overshot on one seed of three)")
     p.add_argument(
-        "--dynamic-filter", default="none",
-        help=f"slime's --dynamic-sampling-filter-path ('none': keep every group; 'zero-std': {ZERO_STD_FILTER}, which "
-        "drops groups whose samples all earned the same, as DAPO does)",
+        "--dynamic-filter", default="zero-std-fallback", type=_filter,
+        help="slime's --dynamic-sampling-filter-path: 'zero-std-fallback' (slime's check_reward_nonzero_std_with_"
+        "fallback: groups whose samples all earned the same are dropped from the step's over-sampling margin, as "
+        "DAPO does, and kept past it); 'zero-std' (check_reward_nonzero_std: dropped however many it takes, so a "
+        "policy that solves every question stalls the rollout); 'none' (every group kept: one train_async seed in "
+        "three rose to 1.0 and fell back); or a function's dotted path",
     )  # fmt: skip
     p.add_argument(
         "--freeze-params", default="",
