@@ -346,7 +346,10 @@ class RolloutService:
         (by modification time: slime numbers each run's versions from its start, so an earlier run's may have
         higher numbers), if not loaded yet, loaded as SGLang engines would (generation paused, then resumed by
         the step on version NNNNNN). Trajectories paused at the end of the last step go on with these weights."""
-        found = max(((mtime, v, p) for v, p in weight_directories(weights_dir) if (mtime := _mtime(p))), default=None)
+        found = max(
+            ((mtime, v, p) for v, p in weight_directories(weights_dir) if (mtime := _mtime(p)) is not None),
+            default=None,
+        )
         if found is None:
             return
         written, version, path = found

@@ -166,8 +166,7 @@ class RolloutEngine:
         self._dropped_groups: list[Group] = []  # dropped by the filter since `take_dropped` was last called
         self._settled: set[int] = set()  # members of open groups that have ended and been scored
         self._wanted = 0  # finished groups the running `rollout` call still needs
-        self._margin = 0  # groups the running `rollout` call may drop before keep_when_insufficient keeps them
-        self._step_drops = 0
+        self._step_drops = 0  # groups the running `rollout` call has dropped
         self._counts: Counter[str] = Counter()
         self._num_inflight = 0
         self._exhausted = False
@@ -219,7 +218,7 @@ class RolloutEngine:
         partial = self.config.partial_rollout
         goal, refilled = self.config.step_groups(target_groups)
         self._wanted = target_groups
-        self._margin, self._step_drops = math.ceil(target_groups * self.config.over_sampling) - target_groups, 0
+        self._step_drops = 0
         while len(self._done) < target_groups:
             self._admit(goal)
             if refilled > goal:  # the step's tail: start more groups while the servers could take more
@@ -560,7 +559,8 @@ class RolloutEngine:
             )
         verdict = answer if isinstance(answer, Verdict) else Verdict(keep=answer is None, reason=answer)
         candidates = len(self._open) + len(self._done)  # groups this step can still return, this one too
-        insufficient = candidates <= self._wanted or (self._wanted and self._step_drops >= self._margin)
+        margin = math.ceil(self._wanted * self.config.over_sampling) - self._wanted  # what slime's one round may drop
+        insufficient = candidates <= self._wanted or (self._wanted and self._step_drops >= margin)
         if not verdict.keep and verdict.keep_when_insufficient and insufficient:
             return Verdict(keep=True)
         return verdict

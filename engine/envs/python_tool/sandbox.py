@@ -222,15 +222,14 @@ def _bubblewrap(landlock: int, cgroup: CgroupParent | None) -> Isolation | None:
             Tool.BUBBLEWRAP, landlock, python, uid_per_call=as_root, cgroup=cgroup, seccomp=seccomp,
             root=_root_arguments(python),
         )  # fmt: skip
-        program = _memory_file("seccomp", seccomp) if seccomp is not None else None
+        passed = {"seccomp": _memory_file("seccomp", seccomp)} if seccomp is not None else {}
         try:
-            passed = {"seccomp": program} if program is not None else {}
             command = _bwrap_arguments(found, passed) + [python, *_PROBE]
             if _runs(command, _call_uid() if as_root else None, tuple(passed.values())):
                 return found
         finally:
-            if program is not None:
-                os.close(program)
+            for fd in passed.values():
+                os.close(fd)
     return None
 
 
