@@ -108,6 +108,8 @@ class DriftReport:
 class ChatEncoder:
     """Encodes prompts and observations for one tokenizer (or VLM processor), tool set and template kwargs."""
 
+    max_tool_sets = 64  # encoders `for_tools` keeps, one per tool set, the least recently used out first
+
     def __init__(
         self,
         tokenizer: Any,
@@ -131,7 +133,7 @@ class ChatEncoder:
         self.family = family or find_family(self._renderer.chat_template)
         self.force_reasoning = force_reasoning
         self._prefix: dict[tuple[str, str], tuple[str, int]] = {}  # (role, tool) -> dummy text to its turn end, end id
-        self._with_tools: dict[str, ChatEncoder] = {}  # tools (as JSON) -> an encoder that renders them
+        self._with_tools: dict[str, ChatEncoder] = {}  # tools' key -> an encoder that renders them, oldest first
         self._dummy = self._dummy_conversation()
         self._end_texts = self._find_end_tokens()
         self.end_of_turn_id = self._end_for({"role": "user"})
@@ -214,14 +216,16 @@ class ChatEncoder:
         """The token an image expands into (`<|image_pad|>` for Qwen-VL); None without a VLM processor."""
         return getattr(self.processor, "image_token_id", None) if self.processor is not None else None
 
-    def for_tools(self, tools: list[dict[str, Any]] | None) -> ChatEncoder:
+    def for_tools(self, tools: list[dict[str, Any]] | None, *, key: str | None = None) -> ChatEncoder:
         """This encoder, or one like it that renders `tools` (a prompt's own tool set, as slime's
-        `--tool-key` puts it in `metadata["tools"]`) into every prompt and observation; cached per tool set."""
+        `--tool-key` puts it in `metadata["tools"]`) into every prompt and observation. The newest
+        `max_tool_sets` are kept, by `key` (a digest of the tools a caller has already made) or the tools' JSON."""
         if not tools or tools == self.tools:
             return self
-        key = json.dumps(tools, sort_keys=True, default=str)
-        if key not in self._with_tools:
-            self._with_tools[key] = ChatEncoder(
+        key = key or json.dumps(tools, sort_keys=True, default=str)
+        encoder = self._with_tools.pop(key, None)
+        if encoder is None:
+            encoder = ChatEncoder(
                 self.tokenizer,
                 processor=self.processor,
                 tools=tools,
@@ -230,7 +234,15 @@ class ChatEncoder:
                 family=self.family,
                 force_reasoning=self.force_reasoning,
             )
-        return self._with_tools[key]
+        self._with_tools[key] = encoder  # the newest last
+        while len(self._with_tools) > self.max_tool_sets:
+            del self._with_tools[next(iter(self._with_tools))]
+        return encoder
+
+    @property
+    def cached_tool_sets(self) -> int:
+        """How many tool sets `for_tools` keeps an encoder for."""
+        return len(self._with_tools)
 
     def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool) -> str:
         return self._renderer.apply_chat_template(

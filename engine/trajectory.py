@@ -147,6 +147,8 @@ class Trajectory:
     train_inputs: TrainInputBuffer = field(default_factory=TrainInputBuffer)  # training side, merged once
     errors: list[ErrorRecord] = field(default_factory=list)
     turn_cap: int | None = None  # a tighter cap on the next turns' tokens than the sampling's (an agent's max_tokens)
+    turn_stop: tuple[str, ...] = ()  # stop strings of the next turns beside the sampling's (an agent's `stop`)
+    token_listener: Callable[[list[int]], None] | None = field(default=None, repr=False)  # fed as tokens are made
     group_id: int = 0
     index: int = 0
     reward: float | dict[str, float] | None = None

@@ -79,6 +79,8 @@ async def generate_turn(
     if left <= 0:
         raise ValueError(f"trajectory {trajectory.id}: no room left to generate (check out_of_room first)")
     params = sampling if left == sampling.max_new_tokens else replace(sampling, max_new_tokens=left)
+    if trajectory.turn_stop:
+        params = replace(params, stop=tuple(dict.fromkeys((*params.stop, *trajectory.turn_stop))))
     started = time.monotonic()
     result = await backend.generate(
         trajectory.tokens.tolist(),

@@ -1088,7 +1088,7 @@ AGENT_CASES = [  # the API, the body, the status, the error message (or its star
 async def test_a_bad_agent_request_is_the_apis_own_error_and_ends_nothing_else(path, body, status, message, tokenizer):
     import httpx2
 
-    from tests.test_gateway import PROMPT, gateway_over, sampled
+    from tests.gateway_kit import PROMPT, gateway_over, sampled
 
     encoder = ChatEncoder(tokenizer)
     gateway, _ = gateway_over(encoder, [sampled(encoder, "Fine.")], client_sampling="refuse")

@@ -131,7 +131,7 @@ async def scrape_a_run(tokenizer) -> str:
 
 async def scrape_a_gateway(tokenizer) -> str:
     """The session gateway's /metrics after a request with a sampling field, a fork and a bad request."""
-    from tests.test_gateway import PROMPT, gateway_over, sampled
+    from tests.gateway_kit import PROMPT, gateway_over, sampled
 
     encoder = ChatEncoder(tokenizer)
     gateway, _ = gateway_over(encoder, [sampled(encoder, "Sunny."), sampled(encoder, "Rainy.")])

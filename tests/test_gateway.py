@@ -15,78 +15,30 @@ import openai
 import pytest
 from PIL import Image
 
-from engine.agents.gateway import Gateway
-from engine.backends.base import SamplingParams
 from engine.encoding import ChatEncoder
 from engine.errors import BackendError, ErrorClass
-from engine.scheduler.retry import CircuitBreaker, RetryPolicy
-from engine.scheduler.scheduler import Scheduler
+from engine.scheduler.retry import RetryPolicy
 from engine.trajectory import Status, StopReason
-from engine.turn import TurnLimits
 from tests.agents.program import TOOLS
 from tests.fakes import ScriptedBackend
-
-PROMPT = [
-    {"role": "system", "content": "You answer questions about the weather."},
-    {"role": "user", "content": "How is the weather in Paris?"},
-]
-CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+from tests.gateway_kit import (  # noqa: F401 -- closes_clients: a fixture
+    CALL,
+    OPEN_CLIENTS,
+    PROMPT,
+    answered,
+    anthropic_client,
+    assert_sampled_exactly,
+    client,
+    closes_clients,
+    gateway_over,
+    key_of,
+    sampled,
+)
 
 
 @pytest.fixture(scope="module")
 def encoder(tokenizer):
     return ChatEncoder(tokenizer)
-
-
-def sampled(encoder: ChatEncoder, text: str) -> list[int]:
-    return [*encoder.tokenizer(text, add_special_tokens=False)["input_ids"], encoder.end_of_turn_id]
-
-
-def gateway_over(
-    encoder: ChatEncoder, replies: list, retry: RetryPolicy | None = None, max_env_steps: int = 64, **options
-) -> tuple[Gateway, ScriptedBackend]:
-    backend = ScriptedBackend(replies)
-    scheduler = Scheduler(
-        backend=backend, encoder=encoder,
-        sampling=SamplingParams(max_new_tokens=256, stop_token_ids=encoder.stop_token_ids),
-        limits=TurnLimits(max_turns=16), retry=retry or RetryPolicy(env_step_timeout_s=60), breaker=CircuitBreaker(),
-        max_generating=4, max_env_steps=max_env_steps,
-    )  # fmt: skip
-    return Gateway(scheduler, **options), backend
-
-
-OPEN_CLIENTS: list[openai.AsyncOpenAI | anthropic.AsyncAnthropic] = []
-
-
-def client(gateway: Gateway, session) -> openai.AsyncOpenAI:
-    """The agent's client for its session (closed by the `closes_clients` fixture, in the test's loop)."""
-    agent = openai.AsyncOpenAI(base_url=gateway.base_url(session), api_key="unused", max_retries=0)
-    OPEN_CLIENTS.append(agent)
-    return agent
-
-
-@pytest.fixture(autouse=True)
-async def closes_clients():
-    yield
-    while OPEN_CLIENTS:
-        await OPEN_CLIENTS.pop().close()
-
-
-def answered(asked: list[dict], choice, result: str = "Sunny, 24 C.") -> list[dict]:
-    """What an agent sends next: its conversation, the reply as the SDK parsed it, its tool's result."""
-    call = choice.message.tool_calls[0]
-    tool = {"role": "tool", "tool_call_id": call.id, "content": result}
-    return [*asked, choice.message.model_dump(exclude_none=True), tool]
-
-
-def assert_sampled_exactly(trajectory, turns: list[list[int]]) -> None:
-    """The response holds each sampled turn as sampled, mask 1 and its log-probs exactly there."""
-    trajectory.check_invariant()
-    response, mask = list(trajectory.response_ids), list(trajectory.loss_mask)
-    assert [response[t.start : t.start + t.num_generated] for t in trajectory.turns] == turns
-    model = {i for t in trajectory.turns for i in range(t.start, t.start + t.num_generated)}
-    assert [i for i, m in enumerate(mask) if m == 1] == sorted(model)
-    assert all((trajectory.logprobs[i] == -0.5) == (i in model) for i in range(len(mask)))
 
 
 @pytest.mark.anyio
@@ -171,7 +123,7 @@ async def test_bad_requests_are_the_apis_own_errors_and_end_nothing_else(encoder
     async with gateway.serving():
         session = gateway.open_session()
         agent = client(gateway, session)
-        stranger = openai.AsyncOpenAI(base_url=f"{gateway.url}/sessions/nobody/v1", api_key="x", max_retries=0)
+        stranger = openai.AsyncOpenAI(base_url=f"{gateway.url}/sessions/nobody/v1", api_key=gateway.key, max_retries=0)
         OPEN_CLIENTS.append(stranger)
         with pytest.raises(openai.NotFoundError, match="no open session 'nobody'"):
             await stranger.chat.completions.create(model="policy", messages=PROMPT)
@@ -308,7 +260,7 @@ async def test_a_langgraph_react_agent_runs_as_one_session(encoder):
     async with gateway.serving():
         session = gateway.open_session()
         model = langchain_openai.ChatOpenAI(
-            model="policy", base_url=gateway.base_url(session), api_key="unused", max_retries=0
+            model="policy", base_url=gateway.base_url(session), api_key=key_of(session), max_retries=0
         )
         agent = prebuilt.create_react_agent(model, [get_weather], prompt=PROMPT[0]["content"])
         state = await agent.ainvoke({"messages": [("user", PROMPT[1]["content"])]})
@@ -322,12 +274,6 @@ async def test_a_langgraph_react_agent_runs_as_one_session(encoder):
 # -- Anthropic Messages, through the official `anthropic` SDK -------------------------------------------------
 ANTHROPIC_TOOLS = [{"name": t["function"]["name"], "description": t["function"]["description"],
                     "input_schema": t["function"]["parameters"]} for t in TOOLS]  # fmt: skip
-
-
-def anthropic_client(gateway: Gateway, session) -> anthropic.AsyncAnthropic:
-    agent = anthropic.AsyncAnthropic(base_url=gateway.base_url(session, "anthropic"), api_key="unused", max_retries=0)
-    OPEN_CLIENTS.append(agent)
-    return agent
 
 
 @pytest.mark.anyio
@@ -399,7 +345,9 @@ async def test_anthropic_bad_requests_are_its_own_errors(encoder):
                 model="policy", max_tokens=8,
                 messages=[{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}],
             )  # fmt: skip
-        stranger = anthropic.AsyncAnthropic(base_url=f"{gateway.url}/sessions/nobody", api_key="x", max_retries=0)
+        stranger = anthropic.AsyncAnthropic(
+            base_url=f"{gateway.url}/sessions/nobody", api_key=gateway.key, max_retries=0
+        )
         OPEN_CLIENTS.append(stranger)
         with pytest.raises(anthropic.NotFoundError, match="no open session 'nobody'"):
             await stranger.messages.create(model="policy", max_tokens=8, messages=[{"role": "user", "content": "x"}])
@@ -518,9 +466,19 @@ async def test_the_responses_api_refuses_what_the_gateway_does_not_keep(encoder)
         agent = client(gateway, session)
         with pytest.raises(openai.BadRequestError, match="previous_response_id: the gateway keeps no responses"):
             await agent.responses.create(model="policy", input="Hi", previous_response_id="resp_1")
-        with pytest.raises(openai.BadRequestError, match=r"tools\[0\] is a 'web_search' tool"):
-            await agent.responses.create(model="policy", input="Hi", tools=[{"type": "web_search"}])
         await gateway.finish(session.id)
+
+
+@pytest.mark.anyio
+async def test_a_hosted_tool_the_policy_cannot_call_is_left_out_and_counted(encoder):
+    gateway, backend = gateway_over(encoder, [sampled(encoder, "Hello.")])
+    weather = {"type": "function", **TOOLS[0]["function"]}
+    async with gateway.serving():
+        agent = client(gateway, gateway.open_session())
+        reply = await agent.responses.create(model="policy", input="Hi", tools=[{"type": "web_search"}, weather])
+    assert reply.output_text == "Hello." and gateway.counts["degraded:tool:web_search"] == 1
+    prompt = encoder.tokenizer.decode(backend.requests[0].input_ids)
+    assert "get_weather" in prompt and "web_search" not in prompt
 
 
 @pytest.mark.anyio
@@ -575,8 +533,7 @@ async def test_a_client_that_gives_up_and_retries_gets_the_one_reply_of_one_chai
     backend = gateway.scheduler.backend = GatedBackend(list(turns))
     async with gateway.serving():
         session = gateway.open_session()
-        impatient = openai.AsyncOpenAI(base_url=gateway.base_url(session), api_key="x", max_retries=0, timeout=0.5)
-        OPEN_CLIENTS.append(impatient)
+        impatient = client(gateway, session, timeout=0.5)
         with pytest.raises(openai.APITimeoutError):
             await impatient.chat.completions.create(model="policy", messages=PROMPT)
         replies = []
@@ -587,7 +544,9 @@ async def test_a_client_that_gives_up_and_retries_gets_the_one_reply_of_one_chai
         async with anyio.create_task_group() as tasks:
             tasks.start_soon(retry)
             backend.gate.set()
-        again = await client(gateway, session).chat.completions.create(model="policy", messages=PROMPT)
+        again = await client(gateway, session).chat.completions.create(
+            model="policy", messages=PROMPT, extra_headers={"x-stainless-retry-count": "1"}
+        )  # a reply lost on the way: the SDK's retry says so
         chains = await gateway.finish(session.id)
     assert replies[0].choices[0].message.content == again.choices[0].message.content == "It is sunny in Paris."
     assert len(backend.requests) == 1 and len(chains) == 1 and session.forks == {}
@@ -624,12 +583,14 @@ async def test_a_client_that_leaves_mid_stream_ends_nothing_and_its_retry_gets_t
         body = {"model": "policy", "messages": PROMPT, "tools": TOOLS, "stream": True}
         async with (
             httpx2.AsyncClient(base_url=gateway.base_url(session), timeout=60) as http,
-            http.stream("POST", "/chat/completions", json=body) as stream,
+            http.stream("POST", "/chat/completions", json=body, headers={"x-api-key": key_of(session)}) as stream,
         ):
             async for line in stream.aiter_lines():
                 if line.startswith("data: "):
                     break  # the first event read, then the connection closed under the rest
-        again = await client(gateway, session).chat.completions.create(model="policy", messages=PROMPT, tools=TOOLS)
+        again = await client(gateway, session).chat.completions.create(
+            model="policy", messages=PROMPT, tools=TOOLS, extra_headers={"x-stainless-retry-count": "1"}
+        )
         (trajectory,) = await gateway.finish(session.id)
     assert again.choices[0].message.tool_calls[0].function.name == "get_weather"
     assert len(backend.requests) == 1 and gateway.counts["repeats"] == 1  # the one turn, sent again
@@ -651,11 +612,7 @@ async def test_each_api_reports_the_prompt_tokens_the_server_had_cached(encoder)
     async with gateway.serving():
         chat = await client(gateway, gateway.open_session()).chat.completions.create(model="p", messages=PROMPT)
         responses = await client(gateway, gateway.open_session()).responses.create(model="p", input=PROMPT)
-        anthropic_client = anthropic.AsyncAnthropic(
-            base_url=gateway.base_url(gateway.open_session(), "anthropic"), api_key="unused", max_retries=0
-        )
-        OPEN_CLIENTS.append(anthropic_client)
-        message = await anthropic_client.messages.create(
+        message = await anthropic_client(gateway, gateway.open_session()).messages.create(
             model="p", max_tokens=64, system=PROMPT[0]["content"], messages=PROMPT[1:]
         )
     assert chat.usage.prompt_tokens_details.cached_tokens == chat.usage.prompt_tokens - 7

@@ -2,45 +2,49 @@
 turn of the engine (engine/agents/session.py).
 
     gateway = Gateway(scheduler)
-    async with gateway.serving("0.0.0.0", 8100, public_url="http://10.0.0.5:8100"):
+    async with gateway.serving("127.0.0.1", 8100):
         session = gateway.open_session()
-        base_url = gateway.base_url(session)         # .../sessions/<id>/v1: give it to the agent
+        base_url = gateway.base_url(session)         # .../sessions/<id>/v1: give it to the agent, with session.key
         ...                                          # the agent runs, calling POST {base_url}/chat/completions
         chains = await gateway.finish(session.id)    # its trajectories, ended: one sample each
 
 Served, streaming and not: OpenAI Chat Completions (`/sessions/<id>/v1/chat/completions`) and Responses
 (`/sessions/<id>/v1/responses`), base URL `.../sessions/<id>/v1`; Anthropic Messages
 (`/sessions/<id>/v1/messages`, base URL `.../sessions/<id>`). Starlette under uvicorn, in the caller's event
-loop; the host process keeps its signal handlers.
+loop; the host process keeps its signal handlers. Every request is untrusted: it presents its session's key (or
+the gateway's own), its body is bounded and read off the loop where large (engine/agents/wire.py), and whatever
+it raises is its own (a 4xx in the API's format) or its chain's, never the gateway's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hmac
 import logging
+import secrets
 import socket
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import anyio
 import uvicorn
-from openai.types.completion_usage import CompletionUsage, PromptTokensDetails
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.registry import Collector
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from engine.agents import anthropic_messages, openai_chat, openai_responses
-from engine.agents.history import same, unanswerable
-from engine.agents.request import RequestError
-from engine.agents.session import Chain, Session, SessionEnv
-from engine.encoding import images_of
+from engine.agents.answer import Answer
+from engine.agents.history import Fit, key, unanswerable
+from engine.agents.limits import GatewayLimits
+from engine.agents.metrics import GatewayCollector
+from engine.agents.request import RequestError, TurnInfo
+from engine.agents.session import Asked, Chain, Session, SessionEnv
+from engine.agents.streaming import StreamSplitter
+from engine.agents.wire import presented_key, read, read_body, says_retry
 from engine.engine import freeze_long_lived
 from engine.envs.base import EnvRunner
 from engine.parsers import MalformedCall, ParsedTurn
@@ -53,6 +57,8 @@ log = logging.getLogger(__name__)
 # client closes first; a server that closes first races a client reusing the connection (a ReadError mid-turn).
 KEEP_ALIVE_S = 75.0
 SHUTDOWN_S = 10.0  # at the end of serving, how long requests still open are given before they are cancelled
+STREAM_PING_S = 10.0  # a streamed reply with nothing new this long sends a keep-alive (a client's idle timeout)
+APIS = {"chat/completions": openai_chat, "responses": openai_responses, "messages": anthropic_messages}
 
 
 class _Server(uvicorn.Server):
@@ -67,9 +73,12 @@ class Gateway:
     """Sessions over one scheduler. `client_sampling`: what a client's temperature, top_p, seed and the like
     get, "ignore" (counted in `counts["sampling_ignored:<field>"]`) or "refuse" (a 400 naming the field).
     `idle_timeout_s`: an agent silent that long after a reply ends its chain (env_timeout, FAILED). A chain
-    waiting for its agent holds no slot of the scheduler. `gc_freeze`: as the engine's setting of that name, once
-    per process when serving starts (a full collection over the SDKs, torch and the tokenizer stalled the loop
-    0.3-0.4 s at a time with 1,000 sessions: benchmarks.gateway)."""
+    waiting for its agent holds no slot of the scheduler. `limits`: what one request may send. `key`: the
+    gateway's own key (a fresh one unless given), which reaches every session and opens new ones; each session
+    has a key of its own for its agent. `open_on_first_use`: a request to a session id never opened opens it
+    (with the gateway's key). `gc_freeze`: as the engine's setting of that name, once per process when serving
+    starts (a full collection over the SDKs, torch and the tokenizer stalled the loop 0.3-0.4 s at a time with
+    1,000 sessions: benchmarks.gateway)."""
 
     def __init__(
         self,
@@ -78,10 +87,16 @@ class Gateway:
         model_name: str = "turnstile",
         client_sampling: Literal["ignore", "refuse"] = "ignore",
         idle_timeout_s: float = 1800.0,
+        limits: GatewayLimits | None = None,
+        key: str | None = None,
+        open_on_first_use: bool = False,
         gc_freeze: bool = True,
     ):
         self.scheduler, self.model_name, self.client_sampling = scheduler, model_name, client_sampling
         self.idle_timeout_s = idle_timeout_s  # longest an agent may take between a reply and its next request
+        self.limits = limits or GatewayLimits()
+        self.key = key or f"sk-turnstile-{secrets.token_urlsafe(24)}"
+        self.open_on_first_use = open_on_first_use
         self.gc_freeze = gc_freeze  # as the engine's setting: freeze what is alive when serving starts
         self.sessions: dict[str, Session] = {}
         self.counts: Counter[str] = Counter()
@@ -93,9 +108,11 @@ class Gateway:
         self.registry.register(self.collector)
         self.app = Starlette(
             routes=[
-                Route("/sessions/{session_id}/v1/chat/completions", self._chat_completions, methods=["POST"]),
-                Route("/sessions/{session_id}/v1/responses", self._responses, methods=["POST"]),
-                Route("/sessions/{session_id}/v1/messages", self._messages, methods=["POST"]),
+                *(
+                    Route(f"/sessions/{{session_id}}/v1/{path}", self._endpoint(api), methods=["POST"])
+                    for path, api in APIS.items()
+                ),
+                Route("/sessions", self._open, methods=["POST"]),
                 Route("/metrics", self._metrics, methods=["GET"]),
             ]
         )
@@ -104,10 +121,10 @@ class Gateway:
     def open_session(
         self, session_id: str | None = None, metadata: dict[str, Any] | None = None, *, main: Trajectory | None = None
     ) -> Session:
-        """A new session (its id a fresh one unless given); requests to an id never opened are refused. With
-        `main`, the session's first chain is that trajectory, driven by its caller (an agent env's, whose env
-        gives it its prompt: engine/agents/env.py) rather than by the gateway; `session.main_started` is set
-        when the first request has made it."""
+        """A new session (its id a fresh one unless given), its agent's key `session.key`; requests to an id
+        never opened are refused. With `main`, the session's first chain is that trajectory, driven by its caller
+        (an agent env's, whose env gives it its prompt: engine/agents/env.py) rather than by the gateway;
+        `session.main_started` is set when the first request has made it."""
         session_id = session_id or uuid.uuid4().hex
         if session_id in self.sessions:
             raise ValueError(f"session {session_id} is open already")
@@ -126,13 +143,16 @@ class Gateway:
         """End the session: each chain's pending env step ends it (env done); its trajectories, once ended."""
         return await self.finish_session(self.sessions[session_id])
 
-    async def finish_session(self, session: Session) -> list[Trajectory]:
+    async def finish_session(self, session: Session, *, abort: bool = False) -> list[Trajectory]:
         """`finish` for a session (finished already or not: the same trajectories). The chains the gateway drives
-        are waited for; a `main` chain is its caller's."""
+        are waited for; with `abort`, one still generating is ended at once (ABORTED: its agent is gone). A `main`
+        chain is its caller's."""
         self.sessions.pop(session.id, None)
         session.closed = True
         for chain in session.chains:
             await chain.end()
+            if abort and chain.drive_scope is not None:
+                chain.drive_scope.cancel()
         for chain in session.chains:
             if chain.drive_ended is not None:
                 await chain.drive_ended.wait()
@@ -152,7 +172,7 @@ class Gateway:
         sock.bind((host, port))
         sock.listen(4096)  # connections wait in the backlog until uvicorn accepts them: no start-up race
         bound = sock.getsockname()[1]
-        self.url = f"http://{host}:{bound}"
+        self.url = f"http://{host}:{bound}" if ":" not in host else f"http://[{host}]:{bound}"
         self._public_url = (public_url or self.url).rstrip("/")
         server = _Server(
             uvicorn.Config(
@@ -175,195 +195,237 @@ class Gateway:
                     yield self
                 finally:
                     with anyio.CancelScope(shield=True):
-                        for session_id in list(self.sessions):
-                            await self.finish(session_id)
+                        for session in list(self.sessions.values()):
+                            await self.finish_session(session, abort=True)
                         server.should_exit = True
         finally:
             self._tasks = None
             sock.close()
 
-    async def _drive(self, chain: Chain, done: anyio.Event) -> None:
+    async def _drive(self, chain: Chain) -> None:
+        assert chain.drive_ended is not None
         try:
-            env = EnvRunner(SessionEnv(chain), step_timeout=self.idle_timeout_s, name="agent_session")
-            # a fork of an agent env's session is kept beside its sample, not scored as one
-            await self.scheduler.drive(chain.trajectory, lambda: env, score=chain.session.main is None)
+            with anyio.CancelScope() as chain.drive_scope:
+                env = EnvRunner(SessionEnv(chain), step_timeout=self.idle_timeout_s, name="agent_session")
+                # a fork of an agent env's session is kept beside its sample, not scored as one
+                await self.scheduler.drive(chain.trajectory, lambda: env, score=chain.session.main is None)
+        except Exception as exc:  # noqa: BLE001 -- drive ends its trajectory whatever happens; a bug is logged here
+            log.error("the drive of session %s's chain failed", chain.session.id, exc_info=exc)
         finally:
-            done.set()
+            chain.drive_ended.set()
             chain.turn_ended()  # a request still waiting learns that the chain ended
 
-    # -- the dialects ---------------------------------------------------------------------------------------
+    # -- HTTP --------------------------------------------------------------------------------------------
     async def _metrics(self, request: Request) -> Response:
-        """The gateway's own series (sessions, requests, forks, bad requests, ignored sampling fields) in
-        Prometheus' text format; the turns' series are the engine's (its observers, its exporter)."""
+        """The gateway's own series in Prometheus' text format; the turns' series are the engine's."""
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
+    async def _open(self, request: Request) -> Response:
+        """`POST /sessions` with the gateway's key: a new session, its key and its base URLs."""
+        if not self._is_own_key(presented_key(request)):
+            return JSONResponse(_bad_key().body(), status_code=401)
+        session = self.open_session()
+        urls = {"openai_base_url": self.base_url(session), "anthropic_base_url": self.base_url(session, "anthropic")}
+        return JSONResponse({"id": session.id, "key": session.key, **urls})
+
+    def _is_own_key(self, given: str | None) -> bool:
+        return given is not None and hmac.compare_digest(given.encode(), self.key.encode())
+
     def _session(self, request: Request) -> Session:
+        """The session a request is for, once its key is the session's or the gateway's."""
         self.counts[f"requests:{request.url.path.rsplit('/v1/', 1)[-1]}"] += 1
-        session = self.sessions.get(request.path_params["session_id"])
+        given, session_id = presented_key(request), request.path_params["session_id"]
+        session = self.sessions.get(session_id)
+        own = self._is_own_key(given)
+        if not own and not (
+            session is not None and given and hmac.compare_digest(given.encode(), session.key.encode())
+        ):
+            raise _bad_key()
+        if session is None and own and self.open_on_first_use and len(session_id) <= 128:
+            session = self.open_session(session_id)
         if session is None:
-            raise RequestError(
-                f"no open session {request.path_params['session_id']!r}", status=404, kind="not_found_error"
-            )
+            raise RequestError(f"no open session {session_id!r}", status=404, kind="not_found_error")
         return session
 
-    def _count_sampling(self, asked: list[str]) -> None:
-        for name in asked:
-            self.counts[f"sampling_ignored:{name}"] += 1
+    def _endpoint(self, api: Any) -> Any:
+        async def endpoint(request: Request) -> Response:
+            try:
+                return await self._serve(request, api)
+            except RequestError as error:
+                self.counts[f"bad_requests:{error.status}"] += 1
+                return JSONResponse(api.error_body(error), status_code=error.status)
+            except ClientDisconnect:  # gone before its body arrived: nothing to answer, nothing started
+                self.counts["disconnects"] += 1
+                return Response(status_code=499)
+            except Exception as exc:  # noqa: BLE001 -- a bug: this request's 500, never the gateway's end
+                log.error("a %s request failed unexpectedly", api.NAME, exc_info=exc)
+                self.counts["internal_errors"] += 1
+                error = RequestError(f"the gateway failed: {exc!r}", status=500, kind="server_error")
+                return JSONResponse(api.error_body(error), status_code=500)
 
-    async def _serve(self, request: Request, api: Any) -> tuple[Any, dict[str, Any], TurnInfo] | Response:
-        """One request of an API (a module with `read_request` and `error_body`): the request read, the model's
-        turn for it; or the error response, counted, when either fails."""
-        try:
-            session = self._session(request)
-            body = api.read_request(await request.body(), client_sampling=self.client_sampling)
-            self._count_sampling(body.sampling_asked())
-            message, info = await self._turn(session, body.chat_messages(), body.chat_tools(), body.turn_cap)
-        except RequestError as error:
-            self.counts[f"bad_requests:{error.status}"] += 1
-            return JSONResponse(api.error_body(error), status_code=error.status)
-        except ClientDisconnect:  # gone before its body arrived: nothing to answer, nothing started
-            self.counts["disconnects"] += 1
-            return Response(status_code=499)
-        return body, message, info
+        return endpoint
 
-    async def _chat_completions(self, request: Request) -> Response:
-        """OpenAI Chat Completions."""
-        served = await self._serve(request, openai_chat)
-        if isinstance(served, Response):
-            return served
-        chat, message, info = served
-        completion_id = f"chatcmpl-{uuid.uuid4().hex}"
-        reason = openai_chat.finish_reason(message, info.length)
-        total = info.prompt_tokens + info.completion_tokens
-        usage = CompletionUsage(
-            prompt_tokens=info.prompt_tokens, completion_tokens=info.completion_tokens, total_tokens=total,
-            prompt_tokens_details=PromptTokensDetails(cached_tokens=info.cached_tokens),
+    async def _serve(self, request: Request, api: Any) -> Response:
+        """One request of an API (a dialect module): read, routed to its chain, answered whole or streamed."""
+        session = self._session(request)
+        body = await read_body(request, self.limits.max_body_bytes)
+        parsed, asked = await read(
+            api, body, limits=self.limits, client_sampling=self.client_sampling, retry=says_retry(request),
+            images=self.scheduler.encoder.processor is not None,
         )  # fmt: skip
-        model = chat.model or self.model_name
-        if not chat.stream:
-            reply = openai_chat.completion(completion_id, model, message, reason, usage)
-            return _json(reply)
-        include_usage = bool((chat.stream_options or {}).get("include_usage"))
-        chunks = openai_chat.chunks(completion_id, model, message, reason, usage if include_usage else None)
-        lines = (f"data: {chunk.model_dump_json(exclude_unset=True)}\n\n" for chunk in chunks)
-        return _event_stream([*lines, "data: [DONE]\n\n"])
+        for name in parsed.sampling_asked():
+            self.counts[f"sampling_ignored:{name}"] += 1
+        for kind, n in parsed.degraded().items():
+            self.counts[f"degraded:{kind}"] += n
+        answer = self._ask(session, asked, live=parsed.stream)
+        model = parsed.model or self.model_name
+        if not parsed.stream:
+            await answer.done.wait()
+            if answer.error is not None:
+                raise answer.error
+            if not await request.is_disconnected():  # a client gone meanwhile (its timeout) never gets this reply
+                answer.deliver()
+            return Response(api.reply(parsed, model, answer.message, answer.info), media_type="application/json")
+        with anyio.move_on_after(STREAM_PING_S):  # the first piece, or the end: an error before any is a status
+            await answer.started()
+        if answer.error is not None and not answer.pieces:
+            raise answer.error
+        return StreamingResponse(self._events(api.Stream(parsed, model), answer), media_type="text/event-stream")
 
-    async def _responses(self, request: Request) -> Response:
-        """OpenAI Responses."""
-        served = await self._serve(request, openai_responses)
-        if isinstance(served, Response):
-            return served
-        body, message, info = served
-        model = body.model or self.model_name
-        if not body.stream:
-            reply = openai_responses.reply(model, message, info.length, *info.tokens)
-            return _json(reply)
-        events = openai_responses.events(model, message, info.length, *info.tokens)
-        return _event_stream([_event(e) for e in events])
-
-    async def _messages(self, request: Request) -> Response:
-        """Anthropic Messages."""
-        served = await self._serve(request, anthropic_messages)
-        if isinstance(served, Response):
-            return served
-        body, message, info = served
-        reason = anthropic_messages.stop_reason(message, info.length)
-        model = body.model or self.model_name
-        if not body.stream:
-            reply = anthropic_messages.reply(model, message, reason, *info.tokens)
-            return _json(reply)
-        events = anthropic_messages.events(model, message, reason, *info.tokens)
-        return _event_stream([_event(e) for e in events])
+    async def _events(self, stream: Any, answer: Answer) -> AsyncIterator[str]:
+        """The answer as server-sent events, each piece as it arrives, a keep-alive when none has for a while."""
+        sent = 0
+        try:
+            yield stream.start(answer.prompt_tokens)
+            while True:
+                for piece in answer.pieces[sent:]:
+                    yield stream.piece(*piece)
+                sent = len(answer.pieces)
+                if answer.done.is_set():
+                    break
+                with anyio.move_on_after(STREAM_PING_S) as idle:
+                    await answer.changed()
+                if idle.cancelled_caught:
+                    yield stream.ping()
+            if answer.error is not None:
+                yield stream.error(answer.error)
+            else:
+                if answer.diverged:
+                    self.counts["stream_diverged"] += 1
+                yield stream.end(answer.message, answer.info, answer.sent)
+            answer.deliver()
+        finally:
+            if not answer.delivered:
+                self.counts["disconnects"] += 1
 
     # -- one turn --------------------------------------------------------------------------------------------
-    async def _turn(
-        self,
-        session: Session,
-        messages: list[dict[str, Any]],
-        tools: list[dict[str, Any]] | None,
-        cap: int | None = None,
-    ) -> tuple[dict[str, Any], TurnInfo]:
-        """Route the request to its chain (or fork a new one), wait for the model's turn (at most `cap` tokens,
-        and the rollout's own cap), and make the reply."""
+    def _ask(self, session: Session, asked: Asked, *, live: bool) -> Answer:
+        """Route the request to its chain (or fork a new one) and claim it, before any await: the answer comes in
+        its own task, so a client that leaves mid-way leaves the turn whole (its retry gets it)."""
         if session.closed:
             raise RequestError(f"session {session.id} is finished", status=409)
-        if self.scheduler.encoder.processor is None and images_of(messages):
-            raise RequestError(
-                "the request holds images, but the policy takes none (no VLM processor)", param="messages"
-            )
-        if (call := unanswerable(messages)) is not None:
+        if self._tasks is None:
+            raise RequestError("the gateway is shutting down", status=503, kind="server_error")
+        if (call := unanswerable(asked.messages)) is not None:
             raise RequestError(
                 f"a tool result answers tool call {call!r}, which no assistant turn before it made", param="messages"
             )
-        chain, fit = session.route(messages, tools)
+        chain, fit = session.route(asked)
         if chain is not None and fit.repeat:  # a client's retry of a request in flight or answered: one reply
             self.counts["repeats"] += 1
-            await chain.answered.wait()
-            if chain.last_reply is None or not same(chain.last_request or [], messages):
-                raise self._no_turn(chain.trajectory)
-            return chain.last_reply
+            answer = Answer(original=chain.last_answer)
+            self._tasks.start_soon(self._repeat, chain, asked, answer)
+            return answer
         if chain is None:
-            if self._tasks is None:
-                raise RequestError("the gateway is shutting down", status=503, kind="server_error")
             cause = fit.cause if session.chains else None
             if cause is not None:
                 self.counts[f"forks:{cause}"] += 1
-            chain = session.start(messages, tools, cause)
+            chain = session.start(asked, cause)
             if chain.trajectory is not session.main:  # the gateway drives it (finish waits for it from now on)
                 chain.drive_ended = anyio.Event()
-        chain.pending, chain.answered = messages, anyio.Event()
-        chain.trajectory.turn_cap = cap
-        try:
-            async with chain.lock:
-                if fit.new is None and chain.drive_ended is not None:  # a new chain: its first turn
-                    self._tasks.start_soon(self._drive, chain, chain.drive_ended)
-                elif fit.new is None:  # the session's main chain: its caller's env takes the prompt from here
-                    session.main_started.set()
-                else:
-                    await chain.send(fit.new)
-                turn = await chain.next_turn()
-            return self._reply(session, chain, messages, tools, turn)
-        finally:
-            chain.pending = None
-            chain.answered.set()
+        answer = chain.last_answer = Answer()
+        chain.claim(asked.keys)
+        self._tasks.start_soon(self._answer, chain, fit, asked, answer, live)
+        return answer
 
-    def _reply(
-        self, session: Session, chain: Chain, messages: list[dict[str, Any]], tools: Any, turn: Any
-    ) -> tuple[dict[str, Any], TurnInfo]:
+    async def _answer(self, chain: Chain, fit: Fit, asked: Asked, answer: Answer, live: bool) -> None:
+        trajectory = chain.trajectory
+        try:
+            if live:
+                split = StreamSplitter(self._encoder(asked), stop=asked.stop)
+                answer.split = split
+                trajectory.token_listener = lambda ids: answer.put(split.feed(ids))
+            answer.prompt_tokens = len(trajectory.tokens)
+            trajectory.turn_cap, trajectory.turn_stop = asked.cap, asked.stop
+            if fit.new is None and chain.drive_ended is not None:  # a new chain: its first turn
+                assert self._tasks is not None
+                self._tasks.start_soon(self._drive, chain)
+            elif fit.new is None:  # the session's main chain: its caller's env takes the prompt from here
+                chain.session.main_started.set()
+            else:
+                await chain.send(asked.messages[-fit.new :], asked.keys[-fit.new :])
+            turn = await chain.next_turn()
+            answer.finish(*self._reply(chain, asked, turn))
+        except RequestError as error:
+            answer.fail(error)
+        except Exception as exc:  # noqa: BLE001 -- making this reply failed: the request's 500, nothing else's
+            log.error("answering a request of session %s failed", chain.session.id, exc_info=exc)
+            self.counts["internal_errors"] += 1
+            answer.fail(RequestError(f"the gateway failed: {exc!r}", status=500, kind="server_error"))
+        finally:
+            trajectory.token_listener = None
+            chain.release()
+
+    async def _repeat(self, chain: Chain, asked: Asked, answer: Answer) -> None:
+        await chain.answered.wait()
+        if chain.last_reply is None or chain.last_keys != asked.keys:
+            answer.fail(self._no_turn(chain.trajectory))
+        else:
+            answer.finish(*chain.last_reply)
+
+    def _encoder(self, asked: Asked) -> Any:
+        return self.scheduler.encoder.for_tools(asked.tools, key=asked.tools_key)
+
+    def _reply(self, chain: Chain, asked: Asked, turn: Any) -> tuple[dict[str, Any], TurnInfo]:
         """The reply for the model's turn (kept for a retry of the same request), or the reason there is none."""
         trajectory = chain.trajectory
         if turn is None:
             raise self._no_turn(trajectory)
-        encoder = self.scheduler.encoder.for_tools(tools)
+        encoder = self._encoder(asked)
         generated = trajectory.generated_ids(turn).tolist()
         try:
-            parsed = encoder.parse_turn(generated, tools=tools)
+            parsed = encoder.parse_turn(generated, tools=asked.tools)
         except MalformedCall:
             self.counts["parse_failures"] += 1
             parsed = ParsedTurn(encoder.response_text(generated))
+        content, stopped_at = _cut_at_stop(parsed.content, asked.stop if turn.finish_reason == "stop" else ())
         ids = []
         for call in parsed.tool_calls:
-            family = encoder.family
-            ids.append(call.id or (family.call_id(call.name, session.calls) if family else f"call{session.calls:05d}"))
-            session.calls += 1
-        message = openai_chat.message_of(parsed, ids)
-        chain.replied(message)
-        length = turn.finish_reason == "length" or trajectory.stop_reason in (
-            StopReason.LENGTH,
-            StopReason.TOKEN_BUDGET,
+            family, n = encoder.family, chain.session.calls
+            ids.append(call.id or (family.call_id(call.name, n) if family else f"call{n:05d}"))
+            chain.session.calls += 1
+        message = openai_chat.message_of(ParsedTurn(content, parsed.reasoning, parsed.tool_calls), ids)
+        cut = turn.finish_reason == "length" or trajectory.stop_reason in (StopReason.LENGTH, StopReason.TOKEN_BUDGET)
+        by_client = cut and asked.cap is not None and turn.num_generated >= asked.cap
+        if cut and not by_client:  # the rollout's cap: the agent could not ask for more, so it is not told to
+            self.counts["turns_cut"] += 1
+        info = TurnInfo(
+            turn.prompt_tokens, turn.num_generated, turn.cached_tokens, length=by_client, stop_sequence=stopped_at
         )
-        chain.last_request = messages
-        chain.last_reply = message, TurnInfo(length, turn.prompt_tokens, turn.num_generated, turn.cached_tokens)
-        return chain.last_reply
+        chain.replied(message, key(message))
+        chain.last_keys, chain.last_reply = asked.keys, (message, info)
+        return message, info
 
-    @staticmethod
-    def _no_turn(trajectory: Trajectory) -> RequestError:
-        """The chain ended without a turn for this request: why, as the API's error."""
+    def _no_turn(self, trajectory: Trajectory) -> RequestError:
+        """The chain ended without a turn for this request: why, as the API's error (worded as the providers word
+        theirs, so that a client's own recovery fires: a context too long is compacted, say)."""
         if trajectory.stop_reason in (StopReason.TOKEN_BUDGET, StopReason.LENGTH):
+            limits = self.scheduler.limits
+            most = limits.max_context_len or trajectory.prompt_length + limits.max_tokens
             return RequestError(
-                "the conversation does not fit the session's token budget or context window",
+                f"prompt is too long: {len(trajectory.tokens)} tokens > {most} maximum",
                 param="messages",
-                kind="invalid_request_error",
+                code="context_length_exceeded",
             )
         if trajectory.stop_reason == StopReason.STALE:
             return RequestError(
@@ -378,77 +440,19 @@ class Gateway:
         )
 
 
-@dataclass(frozen=True, slots=True)
-class TurnInfo:
-    length: bool  # the turn was cut by the token cap, the budget or the context window
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int = 0  # of the prompt tokens, those the server found in its prefix cache
-
-    @property
-    def tokens(self) -> tuple[int, int, int]:
-        """(prompt, completion, cached): the usage every API reports."""
-        return self.prompt_tokens, self.completion_tokens, self.cached_tokens
+def _bad_key() -> RequestError:
+    return RequestError(
+        "invalid API key: give this session's key (or the gateway's) as x-api-key or Authorization: Bearer",
+        status=401,
+        code="invalid_api_key",
+    )
 
 
-def _json(reply: Any) -> Response:
-    """A reply of the SDK's types, serialized by pydantic-core (as the SDKs send it: fields set, none added)."""
-    return Response(reply.model_dump_json(exclude_unset=True), media_type="application/json")
-
-
-def _event(event: Any) -> str:
-    """A typed stream event as a server-sent event, named by its type (Responses', Anthropic's)."""
-    return f"event: {event.type}\ndata: {event.model_dump_json(exclude_unset=True)}\n\n"
-
-
-def _event_stream(lines: list[str]) -> StreamingResponse:
-    """Server-sent events: the turn is whole before its first event is sent."""
-
-    async def send() -> AsyncIterator[str]:
-        for line in lines:
-            yield line
-
-    return StreamingResponse(send(), media_type="text/event-stream")
-
-
-class GatewayCollector(Collector):
-    """The gateway's counts as `turnstile_agent_*` series at scrape time (labels: the API, the fork cause, the
-    HTTP status, the ignored field: bounded sets, never a session id)."""
-
-    SERIES = {  # count key -> (series, help, label)
-        "requests": ("agent_requests", "Agent requests to the gateway, by API.", "api"),
-        "forks": ("agent_forks", "Chains started by a request that continued none, by cause.", "cause"),
-        "bad_requests": ("agent_bad_requests", "Requests answered with an error, by HTTP status.", "status"),
-        "sampling_ignored": (
-            "agent_sampling_ignored", "Client sampling fields ignored for the rollout's settings, by field.", "field",
-        ),
-        "parse_failures": ("agent_parse_failures", "Turns whose tool calls the family's parser could not read.", ""),
-        "repeats": ("agent_repeated_requests", "Requests repeating one in flight or answered (a client's retry).", ""),
-        "disconnects": ("agent_disconnects", "Requests whose client left before its body arrived.", ""),
-        "agent_exits": ("agent_exits", "Agent programs of agent envs ended, by outcome.", "outcome"),
-    }  # fmt: skip
-
-    def __init__(self, gateway: Gateway):
-        self.gateway = gateway
-
-    def describe(self) -> list[Any]:
-        return []
-
-    def collect(self) -> Iterator[Any]:
-        counts = dict(self.gateway.counts)  # a copy: the scrape may run while requests count
-        for key, (series, doc, label) in self.SERIES.items():
-            family = CounterMetricFamily(f"turnstile_{series}", doc, labels=[label] if label else [])
-            for name, value in counts.items():
-                head, _, value_label = name.partition(":")
-                if head == key:
-                    family.add_metric([value_label] if label else [], value)
-            yield family
-        sessions = list(self.gateway.sessions.values())
-        chains = [chain for session in sessions for chain in session.chains if not chain.ended]
-        yield GaugeMetricFamily("turnstile_agent_sessions", "Open sessions.", value=len(sessions))
-        waiting = GaugeMetricFamily(
-            "turnstile_agent_chains", "Chains not ended, by what they wait for.", labels=["waiting_for"]
-        )
-        waiting.add_metric(["agent"], sum(chain.waiting for chain in chains))
-        waiting.add_metric(["model"], sum(not chain.waiting for chain in chains))
-        yield waiting
+def _cut_at_stop(content: str, stop: tuple[str, ...]) -> tuple[str, str | None]:
+    """The content up to the first of the client's stop strings in it (the server stopped there, the string
+    kept), and that string; or the content as it is."""
+    found = [(at, s) for s in stop if (at := content.find(s)) >= 0]
+    if not found:
+        return content, None
+    at, s = min(found)
+    return content[:at], s

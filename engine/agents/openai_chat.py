@@ -1,16 +1,18 @@
 """OpenAI Chat Completions, as the gateway speaks it: the request read and checked (one clear error in the
 API's own format for what it cannot serve), the model's turn as a `ChatCompletion` or as `ChatCompletionChunk`
-events, built with the official SDK's own types so that what clients parse is what OpenAI would send.
+events sent as it is generated, built with the official SDK's own types so that what clients parse is what
+OpenAI would send.
 
 Sampling stays the rollout's: a client's temperature, top_p, seed, penalties and the like would make samples
-off-policy, so they are ignored and counted (`IGNORED`), or refused with `client_sampling="refuse"`.
+off-policy, so they are ignored and counted (`IGNORED`), or refused with `client_sampling="refuse"`. Its token
+cap (`max_completion_tokens`) and `stop` strings end its turn early, as the API says.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+import uuid
 from typing import Any, Literal
 
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
@@ -19,21 +21,24 @@ from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice
 from openai.types.chat.chat_completion_chunk import ChoiceDelta, ChoiceDeltaToolCall, ChoiceDeltaToolCallFunction
 from openai.types.chat.chat_completion_message import ChatCompletionMessage
 from openai.types.chat.chat_completion_message_function_tool_call import ChatCompletionMessageFunctionToolCall, Function
-from openai.types.completion_usage import CompletionUsage
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from openai.types.completion_usage import CompletionUsage, PromptTokensDetails
+from pydantic import ConfigDict, Field, field_validator
 
-from engine.agents.request import RequestError, check_policy_rules, validated
+from engine.agents.request import RequestError, TurnInfo, check_policy_rules, sse, validated
+from engine.agents.streaming import Sent
+from engine.agents.tools import DialectRequest, chat_tools_of, stop_strings
 from engine.parsers import ParsedTurn
 
+NAME = "a Chat Completions request"
 # Request fields that would change how the model samples: the rollout's settings rule.
 IGNORED = (
     "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "logit_bias", "top_k", "min_p",
     "repetition_penalty", "reasoning_effort",
 )  # fmt: skip
-ROLES = ("system", "developer", "user", "assistant", "tool")
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
-class ChatRequest(BaseModel):
+class ChatRequest(DialectRequest):
     """The fields of a chat completion request the gateway reads; others are accepted and ignored."""
 
     model_config = ConfigDict(extra="allow")
@@ -59,23 +64,32 @@ class ChatRequest(BaseModel):
                 raise ValueError(f"messages[{i}].role is {role!r}; one of {', '.join(ROLES)}")
             if role == "tool" and not message.get("tool_call_id"):
                 raise ValueError(f"messages[{i}] is a tool message without tool_call_id")
-            for j, call in enumerate(message.get("tool_calls") or ()):
+            _check_content(message.get("content"), f"messages[{i}].content")
+            calls = message.get("tool_calls") or []
+            if not isinstance(calls, list):
+                raise ValueError(f"messages[{i}].tool_calls is not a list")
+            for j, call in enumerate(calls):
                 function = call.get("function") if isinstance(call, dict) else None
-                if not (isinstance(function, dict) and function.get("name") and call.get("id")):
+                if not (isinstance(function, dict) and isinstance(function.get("name"), str) and call.get("id")):
                     raise ValueError(f"messages[{i}].tool_calls[{j}] needs an id and a function name")
         return messages
 
     def chat_tools(self) -> list[dict[str, Any]] | None:
-        return self.tools
+        return chat_tools_of(self.tools, self)
 
     def chat_messages(self) -> list[dict[str, Any]]:
-        """The messages as templates and processors take them: `image_url` parts as image parts."""
-        return [_with_images(message) for message in self.messages]
+        """The messages as templates and processors take them: `developer` as `system`, a legacy `function`
+        message as a tool message, `image_url` parts as image parts."""
+        return [_as_chat(message) for message in self.messages]
 
     @property
     def turn_cap(self) -> int | None:
         """The client's per-reply token cap (max_completion_tokens, else the deprecated max_tokens)."""
         return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        return stop_strings(self.stop)
 
     def sampling_asked(self) -> list[str]:
         """The sampling fields the client set (which the rollout's settings override)."""
@@ -83,9 +97,9 @@ class ChatRequest(BaseModel):
         return [name for name in IGNORED if extra.get(name) is not None]
 
 
-def read_request(body: bytes, *, client_sampling: Literal["ignore", "refuse"] = "ignore") -> ChatRequest:
+def read_request(raw: Any, *, client_sampling: Literal["ignore", "refuse"] = "ignore") -> ChatRequest:
     """The request, or RequestError naming what is wrong with it."""
-    request = validated(body, ChatRequest)
+    request = validated(raw, ChatRequest)
     if request.n != 1:
         raise RequestError(f"n={request.n}: a session samples one reply per request", param="n")
     check_policy_rules(request.tool_choice, request.sampling_asked(), client_sampling)
@@ -96,16 +110,38 @@ def error_body(error: RequestError) -> dict[str, Any]:
     return error.body()
 
 
-def _with_images(message: dict[str, Any]) -> dict[str, Any]:
+def _check_content(content: Any, where: str) -> None:
+    if content is None or isinstance(content, str):
+        return
+    if not isinstance(content, list):
+        raise ValueError(f"{where} is neither text nor a list of parts")
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("text", "refusal") and isinstance(part.get(kind), str):
+            continue
+        if kind == "image_url" and isinstance(part.get("image_url"), dict | str):
+            continue
+        raise ValueError(f"{where}[{j}] is not a text or image_url part")
+
+
+def _as_chat(message: dict[str, Any]) -> dict[str, Any]:
+    role = message.get("role")
+    if role == "developer":
+        message = {**message, "role": "system"}
+    elif role == "function":  # the deprecated function-calling message: the tool result it is
+        message = {"role": "tool", "tool_call_id": message.get("name"), "content": message.get("content")}
     content = message.get("content")
     if not isinstance(content, list):
         return message
-    parts = [
-        {"type": "image", "image": (part.get("image_url") or {}).get("url")}
-        if isinstance(part, dict) and part.get("type") == "image_url"
-        else part
-        for part in content
-    ]
+    parts = []
+    for part in content:
+        if part.get("type") == "image_url":
+            url = part["image_url"].get("url") if isinstance(part["image_url"], dict) else part["image_url"]
+            parts.append({"type": "image", "image": url})
+        elif part.get("type") == "refusal":
+            parts.append({"type": "text", "text": part["refusal"]})
+        else:
+            parts.append(part)
     return {**message, "content": parts}
 
 
@@ -126,54 +162,81 @@ def message_of(turn: ParsedTurn, call_ids: list[str]) -> dict[str, Any]:
     return message
 
 
-def finish_reason(message: dict[str, Any], length: bool) -> Literal["stop", "length", "tool_calls"]:
-    if length:
+def finish_reason(message: dict[str, Any], info: TurnInfo) -> Literal["stop", "length", "tool_calls"]:
+    if info.length:
         return "length"
     return "tool_calls" if message.get("tool_calls") else "stop"
 
 
-def completion(
-    completion_id: str, model: str, message: dict[str, Any], reason: str, usage: CompletionUsage
-) -> ChatCompletion:
+def _usage(info: TurnInfo) -> CompletionUsage:
+    prompt, completion, cached = info.tokens
+    return CompletionUsage(
+        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+    )  # fmt: skip
+
+
+def reply(request: ChatRequest, model: str, message: dict[str, Any], info: TurnInfo) -> str:
     calls = [
         ChatCompletionMessageFunctionToolCall(id=call["id"], type="function", function=Function(**call["function"]))
         for call in message.get("tool_calls") or ()
     ]
-    reply = ChatCompletionMessage(role="assistant", content=message.get("content"), tool_calls=calls or None)
+    answer = ChatCompletionMessage(role="assistant", content=message.get("content"), tool_calls=calls or None)
     if message.get("reasoning_content"):
-        setattr(reply, "reasoning_content", message["reasoning_content"])  # noqa: B010 -- SGLang's and vLLM's extra field
-    return ChatCompletion(
-        id=completion_id, object="chat.completion", created=int(time.time()), model=model,
-        choices=[Choice(index=0, message=reply, finish_reason=reason, logprobs=None)], usage=usage,
+        setattr(answer, "reasoning_content", message["reasoning_content"])  # noqa: B010 -- SGLang's and vLLM's extra field
+    completion = ChatCompletion(
+        id=f"chatcmpl-{uuid.uuid4().hex}", object="chat.completion", created=int(time.time()), model=model,
+        choices=[Choice(index=0, message=answer, finish_reason=finish_reason(message, info), logprobs=None)],
+        usage=_usage(info),
     )  # fmt: skip
+    return completion.model_dump_json(exclude_unset=True)
 
 
-def chunks(
-    completion_id: str, model: str, message: dict[str, Any], reason: str, usage: CompletionUsage | None
-) -> Iterator[ChatCompletionChunk]:
-    """The turn as stream events: the role, the reasoning, the content, each call, the finish, the usage."""
-    created = int(time.time())
+class Stream:
+    """The turn as `ChatCompletionChunk` events: the role at once, reasoning and content as they are generated,
+    then the rest, each call, the finish, the usage (with `stream_options.include_usage`), and `[DONE]`."""
 
-    def chunk(delta: ChoiceDelta | None, finish: str | None = None, **extra: Any) -> ChatCompletionChunk:
+    def __init__(self, request: ChatRequest, model: str):
+        self.id, self.model, self.created = f"chatcmpl-{uuid.uuid4().hex}", model, int(time.time())
+        self.include_usage = bool((request.stream_options or {}).get("include_usage"))
+
+    def _chunk(self, delta: ChoiceDelta | None, finish: str | None = None, **extra: Any) -> str:
         choices = [] if delta is None else [ChunkChoice(index=0, delta=delta, finish_reason=finish)]
-        return ChatCompletionChunk(
-            id=completion_id, object="chat.completion.chunk", created=created, model=model, choices=choices, **extra
-        )
+        chunk = ChatCompletionChunk(
+            id=self.id, object="chat.completion.chunk", created=self.created, model=self.model, choices=choices,
+            **extra,
+        )  # fmt: skip
+        return sse(chunk.model_dump_json(exclude_unset=True))
 
-    yield chunk(ChoiceDelta(role="assistant", content=""))
-    if message.get("reasoning_content"):
+    def start(self, prompt_tokens: int) -> str:
+        return self._chunk(ChoiceDelta(role="assistant", content=""))
+
+    def piece(self, kind: str, text: str) -> str:
+        if kind == "content":
+            return self._chunk(ChoiceDelta(content=text))
         delta = ChoiceDelta()
-        setattr(delta, "reasoning_content", message["reasoning_content"])  # noqa: B010
-        yield chunk(delta)
-    if message.get("content"):
-        yield chunk(ChoiceDelta(content=message["content"]))
-    for index, call in enumerate(message.get("tool_calls") or ()):
-        function = ChoiceDeltaToolCallFunction(**call["function"])
-        yield chunk(
-            ChoiceDelta(
+        setattr(delta, "reasoning_content", text)  # noqa: B010
+        return self._chunk(delta)
+
+    def ping(self) -> str:
+        return ": keep-alive\n\n"
+
+    def end(self, message: dict[str, Any], info: TurnInfo, sent: Sent) -> str:
+        events = []
+        for kind, field in (("reasoning", "reasoning_content"), ("content", "content")):
+            text, had = message.get(field) or "", getattr(sent, kind)
+            if text.startswith(had) and len(text) > len(had):
+                events.append(self.piece(kind, text[len(had) :]))
+        for index, call in enumerate(message.get("tool_calls") or ()):
+            function = ChoiceDeltaToolCallFunction(**call["function"])
+            delta = ChoiceDelta(
                 tool_calls=[ChoiceDeltaToolCall(index=index, id=call["id"], type="function", function=function)]
             )
-        )
-    yield chunk(ChoiceDelta(), reason)
-    if usage is not None:
-        yield chunk(None, usage=usage)
+            events.append(self._chunk(delta))
+        events.append(self._chunk(ChoiceDelta(), finish_reason(message, info)))
+        if self.include_usage:
+            events.append(self._chunk(None, usage=_usage(info)))
+        return "".join(events) + "data: [DONE]\n\n"
+
+    def error(self, error: RequestError) -> str:
+        return sse(json.dumps(error.body())) + "data: [DONE]\n\n"

@@ -8,43 +8,63 @@ and the next request is the turn's env phase. A request that does not continue a
 starts a new chain whose prompt is the request's messages: its turns are trained there, the shared ones once,
 in the chain that sampled them.
 
-    chain = session.start(messages, tools)          # a new chain; the caller drives chain.trajectory
+    chain = session.start(asked, cause)              # a new chain; the caller drives chain.trajectory
+    chain.claim(asked.keys)                          # before any await: no other request continues it now
     turn = await chain.next_turn()                   # the model's turn for this request (or the chain's end)
-    chain.replied(reply_message)                     # what the agent was sent, to match its next request
-    await chain.send(new_messages)                   # the next request's messages past the history
+    chain.replied(reply_message, key)                # what the agent was sent, to match its next request
+    await chain.send(new_messages, new_keys)         # the next request's messages past the history
+    chain.release()
 """
 
 from __future__ import annotations
 
 import itertools
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
 
-from engine.agents.history import Fit, ForkCause, continues, same
+from engine.agents.history import Fit, ForkCause, Key, continues
 from engine.envs.base import AsyncInteractionEnv
 from engine.trajectory import Trajectory, Turn
 
 _ids = itertools.count()
 
 
-class Chain:
-    """One root-to-leaf chain of a session: its trajectory, the messages the agent has seen, and the hand-off
-    between the request waiting for a turn and the env step waiting for the next request."""
+@dataclass(frozen=True, slots=True)
+class Asked:
+    """A request, read: its conversation as chat messages and their keys, its tools (and a digest of them),
+    the turn's cap and stop strings, and whether the client says it is a retry."""
 
-    def __init__(self, session: Session, trajectory: Trajectory, messages: list[dict[str, Any]], tools: Any):
-        self.session, self.trajectory, self.tools = session, trajectory, tools
-        self.history: list[dict[str, Any]] = list(messages)  # as the agent sent and was sent them
+    messages: list[dict[str, Any]]
+    keys: list[Key]
+    tools: list[dict[str, Any]] | None = None
+    tools_key: str | None = None
+    cap: int | None = None
+    stop: tuple[str, ...] = ()
+    retry: bool = False
+
+
+class Chain:
+    """One root-to-leaf chain of a session: its trajectory, the messages the agent has seen (and their keys), and
+    the hand-off between the request waiting for a turn and the env step waiting for the next request."""
+
+    def __init__(self, session: Session, trajectory: Trajectory, asked: Asked):
+        self.session, self.trajectory = session, trajectory
+        self.tools, self.tools_key = asked.tools, asked.tools_key
+        self.history: list[dict[str, Any]] = list(asked.messages)  # as the agent sent and was sent them
+        self.keys: list[Key] = list(asked.keys)
         self.replies = 0  # turns handed to the agent
-        self.last_request: list[dict[str, Any]] | None = None  # the messages of the request last answered
-        self.last_reply: Any = None  # and what it was answered with (the gateway's), for a retry of it
-        self.pending: list[dict[str, Any]] | None = None  # the messages of the request being answered
+        self.pending: list[Key] | None = None  # the request being answered (claimed)
         self.answered = anyio.Event()  # set once no request is being answered
         self.answered.set()
+        self.last_keys: list[Key] | None = None  # the request last answered
+        self.last_reply: Any = None  # and what it was answered with (the gateway's), for a retry of it
+        self.last_answer: Any = None  # the answer of the request last claimed (engine/agents/answer.py)
         self.waiting = False  # the env step waits for the agent's next request
-        self.lock = anyio.Lock()  # one request at a time on a chain
         self.drive_ended: anyio.Event | None = None  # set when the gateway's drive of it ended (None: not its own)
+        self.drive_scope: anyio.CancelScope | None = None  # the gateway's drive of it, to end it at once
         self._closed = False
         self._turn_ready = anyio.Event()
         self._next: anyio.abc.ObjectSendStream[list[dict[str, Any]] | None]
@@ -54,17 +74,28 @@ class Chain:
     def ended(self) -> bool:
         return self.trajectory.is_ended
 
-    def fits(self, messages: list[dict[str, Any]], tools: Any) -> Fit:
-        """Whether a request continues this chain now."""
-        if tools != self.tools:
+    def fits(self, asked: Asked) -> Fit:
+        """Whether a request continues this chain now, repeats one of its requests, or why neither."""
+        if asked.tools_key != self.tools_key:
             return Fit(cause=ForkCause.TOOLS_CHANGED)
-        if any(asked is not None and same(asked, messages) for asked in (self.pending, self.last_request)):
-            return Fit(repeat=True)
+        if self.pending is not None:  # the same request again while it is answered: the client's retry
+            return Fit(repeat=True) if asked.keys == self.pending else Fit(cause=ForkCause.CONCURRENT)
+        if asked.keys == self.last_keys:  # answered: a retry gets its reply, anything else is asked again
+            delivered = self.last_answer is None or self.last_answer.delivered
+            return Fit(repeat=True) if asked.retry or not delivered else Fit(cause=ForkCause.AGAIN)
         if self.ended:
             return Fit(cause=ForkCause.ENDED)
         if not self.waiting:
             return Fit(cause=ForkCause.CONCURRENT)
-        return continues(self.history, messages)
+        return continues(self.keys, asked.keys)
+
+    def claim(self, keys: list[Key]) -> None:
+        """The chain answers this request now (called before any await, so no other request continues it)."""
+        self.pending, self.answered = keys, anyio.Event()
+
+    def release(self) -> None:
+        self.pending = None
+        self.answered.set()
 
     async def next_turn(self) -> Turn | None:
         """The model's next turn, once generated and handed over; None when the chain ended without one."""
@@ -76,13 +107,15 @@ class Chain:
             return turns[self.replies - 1]
         return None
 
-    def replied(self, message: dict[str, Any]) -> None:
+    def replied(self, message: dict[str, Any], key: Key) -> None:
         """The assistant message the agent was sent for the last turn."""
         self.history.append(message)
+        self.keys.append(key)
 
-    async def send(self, new: list[dict[str, Any]]) -> None:
+    async def send(self, new: list[dict[str, Any]], keys: list[Key]) -> None:
         """The next request's messages past the history: the observation of the waiting env step."""
         self.history += new
+        self.keys += keys
         self.waiting = False
         await self._next.send(new)
 
@@ -130,10 +163,12 @@ class SessionEnv(AsyncInteractionEnv):
 
 @dataclass
 class Session:
-    """An agent's session: its chains in the order they started, and the forks that started them."""
+    """An agent's session: its chains in the order they started, and the forks that started them. `key` is what
+    its agent presents (as an API key) for the gateway to serve it."""
 
     id: str
     metadata: dict[str, Any] = field(default_factory=dict)
+    key: str = field(default_factory=lambda: f"sk-turnstile-{secrets.token_urlsafe(24)}")
     chains: list[Chain] = field(default_factory=list)
     forks: dict[ForkCause, int] = field(default_factory=dict)
     calls: int = 0  # tool calls handed out so far (ids for calls the model wrote without one)
@@ -141,22 +176,22 @@ class Session:
     main: Trajectory | None = None  # the first chain's trajectory when its caller drives it (an agent env's)
     main_started: anyio.Event = field(default_factory=anyio.Event)  # the first request made the main chain
 
-    def route(self, messages: list[dict[str, Any]], tools: Any) -> tuple[Chain | None, Fit]:
-        """The chain a request continues (latest first) and its fit; else (None, the latest chain's fit)."""
+    def route(self, asked: Asked) -> tuple[Chain | None, Fit]:
+        """The chain a request continues or repeats (latest first) and its fit; else (None, the latest fit)."""
         latest: Fit | None = None
         for chain in reversed(self.chains):
-            fit = chain.fits(messages, tools)
+            fit = chain.fits(asked)
             if fit.new is not None or fit.repeat:
                 return chain, fit
             latest = latest or fit
         return None, latest or Fit()
 
-    def start(self, messages: list[dict[str, Any]], tools: Any, cause: ForkCause | None) -> Chain:
-        """A new chain whose prompt is `messages` (a fork of the session when `cause` says why); the first one
-        is the `main` trajectory where the session has one (its env gives it the prompt)."""
+    def start(self, asked: Asked, cause: ForkCause | None) -> Chain:
+        """A new chain whose prompt is the request's messages (a fork of the session when `cause` says why); the
+        first one is the `main` trajectory where the session has one (its env gives it the prompt)."""
         metadata = {"session_id": self.id, "chain": len(self.chains), **self.metadata}
-        if tools:
-            metadata["tools"] = tools
+        if asked.tools:
+            metadata["tools"] = asked.tools
         if cause is not None:
             self.forks[cause] = self.forks.get(cause, 0) + 1
             metadata["fork_cause"] = str(cause)
@@ -164,9 +199,9 @@ class Session:
             trajectory = self.main
             trajectory.metadata.update(metadata)
         else:
-            trajectory = Trajectory(prompt=list(messages), metadata=metadata, group_id=next(_ids))
+            trajectory = Trajectory(prompt=list(asked.messages), metadata=metadata, group_id=next(_ids))
             if self.main is not None:
                 self.main.forks.append(trajectory)
-        chain = Chain(self, trajectory, messages, tools)
+        chain = Chain(self, trajectory, asked)
         self.chains.append(chain)
         return chain

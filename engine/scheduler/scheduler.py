@@ -27,7 +27,16 @@ from engine.backends.base import Backend, SamplingParams
 from engine.encoding import ChatEncoder
 from engine.envs.base import AbandonedCalls, EnvRunner
 from engine.envs.deadlines import Deadlines
-from engine.errors import BackendError, EnvError, ErrorClass, InternalError, ResponseError, RewardError, TurnError
+from engine.errors import (
+    BackendError,
+    EnvError,
+    ErrorClass,
+    InternalError,
+    PromptError,
+    ResponseError,
+    RewardError,
+    TurnError,
+)
 from engine.metrics.events import Observer
 from engine.scheduler.partial import VersionClock
 from engine.scheduler.queue import Phase, Policy, PriorityLimiter, SchedulerStatistics, priority_key
@@ -147,12 +156,12 @@ class Scheduler:
         is paused it waits, PAUSED, with its env and its turn state."""
         sampling = self.sampling_for(trajectory, sampling or self.sampling)
         end_on_abort = self.end_on_abort if end_on_abort is None else end_on_abort
-        encoder = self._encoder(trajectory)
         env = _Env(build_env)
         budget = RetryBudget(self.retry)
         try:
             stop: StopReason | None = None
             try:
+                encoder = self._encoder(trajectory)  # a prompt's tools that break the template fail it here
                 stop = await self._run(trajectory, env, encoder, budget, sampling, end_on_abort)
             except TurnError as exc:
                 stop = record_failure(trajectory, exc)
@@ -427,8 +436,12 @@ class Scheduler:
 
     def _encoder(self, trajectory: Trajectory) -> ChatEncoder:
         """The encoder for this trajectory: with the tools its prompt row names (slime's `metadata["tools"]`)
-        rendered into every observation."""
-        return self.encoder.for_tools(trajectory.metadata.get("tools"))
+        rendered into every observation. Tools the chat template cannot render are a BAD_PROMPT."""
+        tools = trajectory.metadata.get("tools")
+        try:
+            return self.encoder.for_tools(tools)
+        except Exception as exc:  # noqa: BLE001 -- a template's raise_exception, a schema it recurses into
+            raise PromptError(f"the chat template does not render the prompt's tools: {exc!r}") from exc
 
     async def _stale(self, trajectory: Trajectory, env: _Env, budget: RetryBudget) -> bool:
         """Too stale to go on or to return: start again from the prompt (tokens discarded, env reset), and

@@ -1,0 +1,100 @@
+"""A turn's text as the model writes it, for a streamed reply: tokens in (as the backend produces them), the
+reasoning and the content that can be sent already out, each only ever grown, never taken back.
+
+    split = StreamSplitter(encoder, stop=("STOP",))
+    split.feed(token_ids)          # -> [("reasoning", "Let me"), ("content", "It is")] : what is new
+    split.sent                     # what has gone out: the final reply sends only what it adds to this
+
+What cannot be known yet is held back: a tool call (from its opening marker on: the calls go out whole, once the
+turn is parsed), the end of the text where it may be the start of a marker (`<think>`, `</think>`, a call's
+opener) or of a stop string, and a character whose bytes have not all arrived. Families whose turns are not
+`[<think>reasoning</think>] content [calls]` (harmony's channels, say) stream nothing before the turn ends; the
+reply still starts at once, and keeps its connection alive until then.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.parsers.reasoning import THINK_CLOSE, THINK_OPEN, ThinkingParser, split_reasoning
+
+
+class TurnText:
+    """Token ids decoded as they come, as `ChatEncoder.assistant_text` decodes the whole turn: special tokens
+    kept, the turn's stop token dropped, a character whose bytes span tokens given once it is whole."""
+
+    def __init__(self, tokenizer: Any, stop_ids: tuple[int, ...]):
+        self._tokenizer, self._stop_ids = tokenizer, frozenset(stop_ids)
+        self._ids: list[int] = []
+        self._prefix = self._read = 0  # ids[prefix:read] were decoded already; ids[read:] are not yet given
+        self.text = ""
+
+    def feed(self, ids: list[int]) -> str:
+        """The text `ids` add (possibly none yet)."""
+        self._ids += [i for i in ids if i not in self._stop_ids]
+        decode = self._tokenizer.decode
+        before = decode(self._ids[self._prefix : self._read], skip_special_tokens=False)
+        after = decode(self._ids[self._prefix :], skip_special_tokens=False)
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""
+        new = after[len(before) :]
+        self._prefix, self._read = self._read, len(self._ids)
+        self.text += new
+        return new
+
+
+@dataclass
+class Sent:
+    """What a streamed reply has sent of the turn so far."""
+
+    reasoning: str = ""
+    content: str = ""
+    diverged: bool = field(default=False)  # a later reading of the text did not extend what was sent
+
+
+class StreamSplitter:
+    """The sendable reasoning and content of a turn, as its tokens arrive (the module's docstring)."""
+
+    def __init__(self, encoder: Any, *, stop: tuple[str, ...] = ()):
+        from engine.parsers import get_parser
+
+        parser = encoder.family.parser if encoder.family is not None else get_parser("qwen25")
+        self._parser = parser if isinstance(parser, ThinkingParser) else None
+        self._opener = getattr(parser, "call_opener", "")
+        self._in_reasoning = encoder.opens_reasoning
+        self._markers = tuple(m for m in (THINK_OPEN, THINK_CLOSE, self._opener, *stop) if m)
+        self._cuts = tuple(m for m in (self._opener, *stop) if m)  # nothing after these is sent before the end
+        self._text = TurnText(encoder.tokenizer, encoder.stop_token_ids)
+        self.sent = Sent()
+
+    def feed(self, ids: list[int]) -> list[tuple[str, str]]:
+        """The new pieces, ("reasoning" | "content", text), that `ids` make sendable."""
+        if not self._text.feed(ids) or self._parser is None or self.sent.diverged:
+            return []
+        reasoning, rest = split_reasoning(
+            self._sendable(self._text.text), in_reasoning=self._in_reasoning, call_opener=self._opener
+        )
+        pieces = []
+        for kind, now in (("reasoning", reasoning), ("content", rest.strip())):
+            had = getattr(self.sent, kind)
+            if not now.startswith(had):
+                self.sent.diverged = True  # never taken back: the rest goes out with the final reply
+                return pieces
+            if len(now) > len(had):
+                pieces.append((kind, now[len(had) :]))
+                setattr(self.sent, kind, now)
+        return pieces
+
+    def _sendable(self, text: str) -> str:
+        """`text` up to the first call opener or stop string, less a tail that may begin a marker."""
+        cut = min((at for marker in self._cuts if (at := text.find(marker)) >= 0), default=len(text))
+        text = text[:cut]
+        ends = (
+            n
+            for marker in self._markers
+            for n in range(1, min(len(marker), len(text) + 1))
+            if text.endswith(marker[:n])
+        )
+        held = max(ends, default=0)
+        return text[: len(text) - held]
