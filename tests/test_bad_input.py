@@ -533,6 +533,12 @@ def test_an_env_path_that_does_not_load_is_one_error_at_start(tmp_path, capsys, 
             id="message-without-role",
         ),
         pytest.param(
+            {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "usr", "content": "hi"}]},
+            "rows.jsonl:2: prompt message 1 has role 'usr' (did you mean 'user'?): one of system, developer, user, "
+            "assistant, tool (a chat template renders another role as nothing, or raises)",
+            id="unknown-role",
+        ),
+        pytest.param(
             {"prompt": [{"role": "user", "content": 4}]},
             "rows.jsonl:2: prompt message 0: 'content' must be text or a list of parts, not int",
             id="content-a-number",
@@ -957,12 +963,28 @@ def test_a_vision_token_the_model_samples_fails_its_trajectory_only(tmp_path, ca
 
 
 @pytest.mark.anyio
-async def test_a_bad_row_from_a_python_source_fails_its_own_group_only(tokenizer):
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        pytest.param(
+            {"prompt": [{"role": "user", "content": "x"}], "metadata": "oops"},
+            "the prompt row of group 1: 'metadata' must be an object, not str",
+            id="metadata-not-an-object",
+        ),
+        pytest.param(
+            {"prompt": [{"role": "robot", "content": "x"}]},
+            "the prompt row of group 1: prompt message 0 has role 'robot': one of system, developer, user, assistant, "
+            "tool (a chat template renders another role as nothing, or raises)",
+            id="unknown-role",
+        ),
+    ],
+)
+async def test_a_bad_row_from_a_python_source_fails_its_own_group_only(tokenizer, bad, message):
     from engine.engine import EngineConfig, RolloutEngine
     from tests.fakes import DeterministicBackend
     from tests.test_engine import env_factory, rows
 
-    source = [rows(1)[0], {"prompt": [{"role": "user", "content": "x"}], "metadata": "oops"}]
+    source = [rows(1)[0], bad]
     async with RolloutEngine(
         backend=DeterministicBackend(), encoder=ChatEncoder(tokenizer), env_factory=env_factory(), source=source,
         config=EngineConfig(n_samples_per_prompt=2, max_failed_share=1.0),
@@ -972,7 +994,7 @@ async def test_a_bad_row_from_a_python_source_fails_its_own_group_only(tokenizer
     assert {t.status for t in groups[0].trajectories} == {Status.COMPLETED}
     for trajectory in groups[1].trajectories:
         assert (trajectory.status, str(trajectory.stop_reason)) == (Status.FAILED, "encode_error")
-        assert trajectory.errors[-1].message == "the prompt row of group 1: 'metadata' must be an object, not str"
+        assert trajectory.errors[-1].message == message
 
 
 @pytest.mark.anyio

@@ -264,6 +264,15 @@ def test_tokenizer_without_chat_template_is_refused(tokenizer):
         ChatEncoder(bare)
 
 
+def test_a_developer_message_is_rendered_as_the_system_message(tokenizer):
+    encoder = ChatEncoder(tokenizer)  # Qwen2.5's template renders a 'developer' message as nothing
+    brief = {"content": "Answer in one word."}
+    as_developer = encoder.encode_prompt([{"role": "developer", **brief}, {"role": "user", "content": "hi"}])
+    as_system = encoder.encode_prompt([{"role": "system", **brief}, {"role": "user", "content": "hi"}])
+    assert as_developer.token_ids == as_system.token_ids
+    assert "Answer in one word." in tokenizer.decode(as_developer.token_ids)
+
+
 def test_prefix_is_computed_once_per_role(tokenizer, monkeypatch):
     encoder = ChatEncoder(tokenizer, tools=TOOLS)
     cuts = []
