@@ -208,10 +208,17 @@ def _need_torch(what: str) -> None:
 
 def _server_tokenizer(url: str) -> str:
     """--url without --tokenizer: the tokenizer directory the server names (GET /model_info), where it is one on
-    this machine; else one error saying to give it. The built-in Qwen2.5 tokenizer is never guessed."""
+    this machine; else one error saying to give it (or, where nothing answers at `url`, that the server is
+    unreachable). The built-in Qwen2.5 tokenizer is never guessed."""
     try:
         reply = httpx2.get(f"{url}/model_info", timeout=10.0, trust_env=False)
         info = reply.json() if reply.status_code == 200 else None
+    except httpx2.TransportError as exc:  # nothing answered: the server, not the tokenizer, is what is wrong
+        detail = f"{type(exc).__name__}: {exc}" if str(exc) else f"{type(exc).__name__} (connection closed)"
+        raise ValueError(
+            f"the server at {url} is unreachable: GET /model_info: {detail} (asked for its tokenizer, "
+            "as --tokenizer is not given)"
+        ) from exc
     except (httpx2.HTTPError, ValueError) as exc:
         info, why = None, f"{type(exc).__name__}: {exc}"
     else:

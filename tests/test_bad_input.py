@@ -857,6 +857,15 @@ def test_a_url_without_a_tokenizer_that_is_not_here_is_one_error_at_start(tmp_pa
     refused_at_start(code, records, err, message.replace("URL", server.url))
 
 
+def test_a_url_without_a_tokenizer_where_nothing_listens_is_one_error_saying_so(tmp_path, capsys):
+    url = f"http://127.0.0.1:{free_port()}"
+    code, records, err = run(tmp_path, capsys, "--url", url, "--num-prompts", "1")
+    refused_at_start(
+        code, records, err, f"turnstile: error: the server at {url} is unreachable: GET /model_info: ConnectError: "
+    )
+    assert "(asked for its tokenizer, as --tokenizer is not given)" in err and "--tokenizer DIR" not in err
+
+
 def test_a_url_without_a_tokenizer_takes_the_servers_own_where_it_is_here(tmp_path, capsys):
     here = str(_qwen_tokenizer_dir())
     with SGLangDouble() as server:
