@@ -29,7 +29,8 @@ from engine.config import Settings
 from engine.encoding import ChatEncoder
 from engine.engine import RolloutEngine
 from engine.envs.base import AbandonedCalls
-from engine.envs.loader import EnvFactory, hosted, load_env_module
+from engine.envs.loader import EnvFactory, load_env_module
+from engine.envs.ray_workers import hosted
 from engine.errors import BackendError
 from engine.metrics.live import LiveView
 from engine.metrics.logging import TurnLogger

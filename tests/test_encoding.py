@@ -20,9 +20,10 @@ from engine.envs.base import EnvRunner
 from engine.errors import ObservationError
 from engine.models import load_tokenizer, packaged_template
 from engine.multimodal import ImagePayloads
+from engine.scheduler.reference import run_trajectory
 from engine.template_drift import SYSTEM, TOOLS  # the conversations check-template runs
 from engine.trajectory import Status, StopReason, Trajectory
-from engine.turn import TurnLimits, run_trajectory
+from engine.turn import TurnLimits
 from tests.fakes import ScriptedBackend, ScriptedEnv
 
 PROMPT = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is 17 + 25?"}]

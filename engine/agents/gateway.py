@@ -41,8 +41,8 @@ from engine.agents.history import same, unanswerable
 from engine.agents.request import RequestError
 from engine.agents.session import Chain, Session, SessionEnv
 from engine.encoding import images_of
-from engine.engine import freeze_long_lived
 from engine.envs.base import EnvRunner
+from engine.gc_freeze import freeze_long_lived
 from engine.parsers import MalformedCall, ParsedTurn
 from engine.scheduler.scheduler import Scheduler
 from engine.trajectory import Status, StopReason, Trajectory
