@@ -53,6 +53,7 @@ from benchmarks.agent_farm import AgentFarm, AgentPlan, FarmAgent
 from benchmarks.longtail import sim_post, sim_server
 from benchmarks.longtail_common import version_index
 from benchmarks.simserver import SimConfig
+from engine.agents.env import AgentHost
 from engine.backends.sglang import SGLangBackend
 from engine.encoding import ChatEncoder
 from engine.engine import EngineConfig, RolloutEngine
@@ -145,7 +146,7 @@ async def run_policy(policy: str, config: Agents, encoder: ChatEncoder, backend:
             run.wall_seconds = time.monotonic() - run.started
             async with httpx2.AsyncClient(base_url=url, trust_env=False) as control:
                 run.server = (await control.get("/stats")).raise_for_status().json()
-            run.counts.update(engine.agents.gateway.counts)
+            run.counts.update(AgentHost.of(engine.env_host).gateway.counts)
         run.counts["requests"] = farm.counts["requests"]
     return run
 

@@ -84,6 +84,7 @@ from benchmarks.faults_servers import (
 from benchmarks.longtail import HEADLINE, Size, sized
 from benchmarks.longtail_common import RewardLog, RewardModel
 from benchmarks.workload import Workload
+from engine.agents.env import AgentHost
 from engine.backends.base import SamplingParams
 from engine.backends.pool import BackendPool
 from engine.backends.sglang import SGLangBackend
@@ -588,7 +589,7 @@ class Suite:
                 run.injected["agents"] = dict(sorted(farm.counts.items()))
                 run.injected["agent_errors"] = dict(farm.errors.most_common(10))
                 counted = ("bad_requests:", "disconnects", "forks:", "agent_exits:")
-                gateway = engine.agents.gateway.counts
+                gateway = AgentHost.of(engine.env_host).gateway.counts
                 run.injected["gateway"] = {k: v for k, v in sorted(gateway.items()) if k.startswith(counted)}
         run.taken = list(source.taken)
         run.injected["env"] = env_log.snapshot()["injected"]

@@ -120,8 +120,8 @@ async def through_the_gateway(
     async with gateway.serving():
         opened = [gateway.open_session() for _ in range(sessions)]
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as plan:
-            urls = [gateway.base_url(s) for s in opened]
-            json.dump({"urls": urls, "requests": requests, "tool_median_s": tool_median_s}, plan)
+            agents = [(gateway.base_url(s), s.key) for s in opened]
+            json.dump({"agents": agents, "requests": requests, "tool_median_s": tool_median_s}, plan)
         async with anyio.create_task_group() as probing:
             probing.start_soon(probe.run)
             started_cpu, started = process_cpu_s(os.getpid()), time.perf_counter()
@@ -152,11 +152,12 @@ async def client(plan_path: str) -> dict[str, Any]:
     failures = 0
     # a client per AGENTS_PER_CLIENT agents: a connection pool scans its connections for every request, so one pool
     # of 1,000 would make the client, not the gateway, what paces the requests
-    groups = [plan["urls"][i : i + AGENTS_PER_CLIENT] for i in range(0, len(plan["urls"]), AGENTS_PER_CLIENT)]
+    agents = plan["agents"]
+    groups = [agents[i : i + AGENTS_PER_CLIENT] for i in range(0, len(agents), AGENTS_PER_CLIENT)]
     async with contextlib.AsyncExitStack() as stack:
         clients = [await stack.enter_async_context(httpx2.AsyncClient(timeout=600)) for _ in groups]
 
-        async def agent(http: httpx2.AsyncClient, url: str) -> None:
+        async def agent(http: httpx2.AsyncClient, url: str, key: str) -> None:
             nonlocal failures
             messages = list(QUESTION)
             if median:
@@ -165,7 +166,8 @@ async def client(plan_path: str) -> dict[str, Any]:
                 if index:
                     await anyio.sleep(pause(median))
                 started = time.perf_counter()
-                reply = await http.post(f"{url}/chat/completions", json={"model": "policy", "messages": messages})
+                body, auth = {"model": "policy", "messages": messages}, {"Authorization": f"Bearer {key}"}
+                reply = await http.post(f"{url}/chat/completions", json=body, headers=auth)
                 latencies.append(time.perf_counter() - started)
                 if reply.status_code != 200:
                     failures += 1
@@ -173,9 +175,9 @@ async def client(plan_path: str) -> dict[str, Any]:
                 messages += [reply.json()["choices"][0]["message"], dict(NEXT)]
 
         async with anyio.create_task_group() as tasks:
-            for http, urls in zip(clients, groups, strict=True):
-                for url in urls:
-                    tasks.start_soon(agent, http, url)
+            for http, group in zip(clients, groups, strict=True):
+                for url, key in group:
+                    tasks.start_soon(agent, http, url, key)
     latencies.sort()
     return {
         "requests": len(latencies), "failures": failures,

@@ -73,7 +73,7 @@ from benchmarks.workload import Workload
 from engine.backends.base import SamplingParams
 from engine.backends.sglang import SGLangBackend
 from engine.encoding import ChatEncoder
-from engine.engine import freeze_alive
+from engine.gc_freeze import freeze_alive
 from engine.turn import TurnLimits
 
 POLICIES = ("slime_style", "turn", "turn_partial")

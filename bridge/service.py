@@ -35,11 +35,13 @@ from bridge.settings import BridgeSettings
 from engine.backends.base import Backend, SamplingParams
 from engine.config import EngineConfig
 from engine.encoding import ChatEncoder
-from engine.engine import EngineStatistics, RolloutEngine, StepFailedError
-from engine.envs.loader import EnvFactory, hosted
+from engine.engine import RolloutEngine, StepFailedError
+from engine.envs.loader import EnvFactory
+from engine.envs.ray_workers import hosted
 from engine.metrics.recorder import MetricsRecorder
 from engine.metrics.summary import step_summary
 from engine.source import QueueSource
+from engine.statistics import EngineStatistics
 from engine.trajectory import Group, Trajectory
 
 log = logging.getLogger(__name__)

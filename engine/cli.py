@@ -19,7 +19,7 @@ import json
 import os
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from enum import Enum
 from types import SimpleNamespace, UnionType
 from typing import Annotated, Any, Literal, NoReturn, Union, get_args, get_origin
@@ -167,14 +167,24 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+class _NotGiven:
+    """The value of a knob's flag left out (`None` is a value: `--metrics-port none`)."""
+
+    def __repr__(self) -> str:
+        return "NOT_GIVEN"
+
+
+NOT_GIVEN: Any = _NotGiven()
+
+
 def _add_flag(parser: argparse.ArgumentParser, dest: str, field: FieldInfo) -> None:
-    """`--dest` (dashed) for the knob `field`: its type, choices and description. A flag left out leaves
-    the YAML's value or the knob's default."""
+    """`--dest` (dashed) for the knob `field`: its type, choices and description; `none` where the knob may be
+    None. A flag left out (NOT_GIVEN) leaves the YAML's value or the knob's default."""
     kind = _scalar(field.annotation)
     flag = marker(field, Flag)
     names = ["--" + name.replace("_", "-") for name in (*(flag.aliases if flag else ()), dest)]
-    description = f"{field.description} (default: {field.default})".replace("%", "%%")
-    options: dict[str, Any] = {"dest": dest, "default": None, "help": description}
+    description = f"{field.description} (default: {_shown(field.default)})".replace("%", "%%")
+    options: dict[str, Any] = {"dest": dest, "default": NOT_GIVEN, "help": description}
     if kind is bool:
         options["action"] = "store_true"
     elif get_origin(kind) is Literal:
@@ -183,6 +193,10 @@ def _add_flag(parser: argparse.ArgumentParser, dest: str, field: FieldInfo) -> N
         options["choices"] = [member.value for member in kind]
     else:
         options["type"] = kind
+    if kind is not bool and _takes_none(field.annotation):
+        options["type"] = _or_none(options.get("type", str))
+        if "choices" in options:
+            options["choices"] = _ChoicesOrNone(options["choices"])
     parser.add_argument(*names, **options)
 
 
@@ -194,6 +208,37 @@ def _scalar(annotation: Any) -> Any:
         (annotation,) = [a for a in get_args(annotation) if a is not type(None)]
         return _scalar(annotation)
     return annotation
+
+
+def _takes_none(annotation: Any) -> bool:
+    while get_origin(annotation) is Annotated:
+        annotation = get_args(annotation)[0]
+    return get_origin(annotation) in (Union, UnionType) and type(None) in get_args(annotation)
+
+
+def _shown(default: Any) -> Any:
+    """A default as the flag is given it: `none` for None."""
+    return "none" if default is None else default
+
+
+def _or_none(kind: Callable[[str], Any]) -> Callable[[str], Any]:
+    """`kind`, or None for `none`; named as `kind` in argparse's `invalid int value` errors."""
+
+    def parse(text: str) -> Any:
+        return None if text.lower() == "none" else kind(text)
+
+    parse.__name__ = getattr(kind, "__name__", "value")
+    return parse
+
+
+class _ChoicesOrNone(list):
+    """A choice flag's choices and `none` (shown so in its help and errors), which parses to None."""
+
+    def __init__(self, choices: list[Any]):
+        super().__init__([*choices, "none"])
+
+    def __contains__(self, value: object) -> bool:
+        return value is None or super().__contains__(value)
 
 
 def settings_from_flags(args: argparse.Namespace) -> Settings:
@@ -208,11 +253,11 @@ def settings_from_flags(args: argparse.Namespace) -> Settings:
             setattr(args, name, value)
     from_yaml = set(values)  # the knobs whose values the YAML gives, unless a flag overrides them below
     for name, field in Settings.model_fields.items():
-        if marker(field, Flag) is not None and getattr(args, name) is not None:
+        if marker(field, Flag) is not None and getattr(args, name) is not NOT_GIVEN:
             values[name] = getattr(args, name)
             from_yaml.discard(name)
     retry = {name: getattr(args, flag.replace("-", "_")) for name, flag in RETRY_FLAGS.items()}
-    retry = {name: value for name, value in retry.items() if value is not None}
+    retry = {name: value for name, value in retry.items() if value is not NOT_GIVEN}
     given = values.get("retry") or {}
     if retry and isinstance(given, Mapping):  # a flag sets one retry knob; the YAML's others stay
         values["retry"] = {**given, **retry}

@@ -582,7 +582,10 @@ class ChatEncoder:
         return at + len(token), token
 
     def _for_template(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """A text tokenizer's template wants string content: join text parts, refuse images."""
+        """Messages as templates take them: a `developer` message as the system message (templates render
+        that role as nothing, or as gpt-oss's, the same as `system`); for a text tokenizer's template, string
+        content: text parts joined, images refused."""
+        messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
         if self.processor is not None:
             return messages
         out = []

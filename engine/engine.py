@@ -15,8 +15,6 @@ the step's tail (fewer trajectories live than generation slots) starts up to `ta
 
 from __future__ import annotations
 
-import functools
-import gc
 import itertools
 import logging
 import math
@@ -36,20 +34,21 @@ from engine.encoding import ChatEncoder
 from engine.envs.base import AbandonedCalls, EnvRunner
 from engine.envs.loader import EnvSample
 from engine.errors import FilterError, InternalError, ObservationError, PromptError, RewardError, TurnError
+from engine.gc_freeze import freeze_long_lived
+from engine.hosting import EnvHost, HostedEnv
 from engine.metrics.events import Observer
 from engine.metrics.recorder import MetricsRecorder
 from engine.metrics.summary import step_summary
 from engine.scheduler.partial import mask_offpolicy
-from engine.scheduler.queue import SchedulerStatistics
 from engine.scheduler.retry import CircuitBreaker, RetryBudget
 from engine.scheduler.scheduler import SCORED, Scheduler, maybe_await
 from engine.scheduler.signals import Broadcast
 from engine.source import PromptSource, RowSource, check_row
+from engine.statistics import EngineStatistics
 from engine.trajectory import Group, Status, StopReason, Trajectory
 from engine.turn import record_failure
 
 if TYPE_CHECKING:
-    from engine.agents.env import AgentHost
     from engine.metrics.prometheus import MetricsExporter
 
 log = logging.getLogger(__name__)
@@ -96,18 +95,6 @@ class StepFailedError(RuntimeError):
 # A group filter: a reason to drop the group (or None to keep it), or a Verdict; sync or async.
 GroupFilter = Callable[[Group], "str | None | Verdict | Awaitable[str | None | Verdict]"]
 GroupRewardFn = Callable[[Group], "Sequence[Any] | Awaitable[Sequence[Any]]"]  # one reward per member
-
-
-@dataclass(frozen=True, slots=True)
-class EngineStatistics:
-    num_prompts_admitted: int
-    num_groups_open: int  # admitted, some member still running or paused
-    num_groups_done: int  # finished, waiting to be returned
-    num_groups_returned: int
-    num_groups_dropped: dict[str, int]
-    num_trajectories_inflight: int
-    is_source_exhausted: bool
-    scheduler: SchedulerStatistics
 
 
 class RolloutEngine:
@@ -200,6 +187,8 @@ class RolloutEngine:
             self._tasks.cancel_scope.cancel()
             await self._stack.aclose()
             raise
+        registry = self.exporter.registry if self.exporter is not None else None
+        self.env_host = EnvHost(self.scheduler, self._tasks, self.config, registry)  # for envs that bind to it
         return self
 
     async def __aexit__(self, *exc_info: Any) -> bool | None:
@@ -295,6 +284,7 @@ class RolloutEngine:
             num_groups_dropped=dict(self._dropped),
             num_trajectories_inflight=self._num_inflight,
             is_source_exhausted=self._exhausted,
+            weight_version_index=self.scheduler.clock.index(self.scheduler.clock.current),
             scheduler=self.scheduler.statistics(),
         )
 
@@ -419,30 +409,15 @@ class RolloutEngine:
 
     async def _build_env(self, sample: Any, trajectory: Trajectory) -> EnvRunner:
         """The env of one trajectory; a factory that may block (a user's `build_env`, which often creates a
-        remote sandbox) builds it in a worker thread. An agent env (engine/agents/env.py) runs its agent
-        against a session of the engine's gateway, whose main chain `trajectory` is."""
+        remote sandbox) builds it in a worker thread. An env that binds to the engine (engine/hosting.py) gives the
+        runner itself."""
         if getattr(self.env_factory, "blocking", False):
             runner = await anyio.to_thread.run_sync(self.env_factory, sample)
         else:
             runner = self.env_factory(sample)
-        if getattr(getattr(runner, "env", None), "is_agent", False):  # (an env worker's runner holds no env)
-            runner = self.agents.runner(runner.env, trajectory, sample, runner.name)
+        if isinstance(env := getattr(runner, "env", None), HostedEnv):  # (an env worker's runner holds no env)
+            runner = env.bind_runner(self.env_host, trajectory, sample, runner.name)
         return runner
-
-    @functools.cached_property
-    def agents(self) -> AgentHost:
-        """The session gateway agent envs run their agents against (served once an agent env is built)."""
-        from engine.agents.env import AgentHost
-
-        config = self.config
-        host = AgentHost(
-            self.scheduler, host=config.agent_host, port=config.agent_port, public_url=config.agent_public_url,
-            client_sampling=config.agent_client_sampling,
-        )  # fmt: skip
-        host.attach(self._tasks)
-        if self.exporter is not None:  # the gateway's series beside the engine's, on the engine's /metrics
-            self.exporter.registry.register(host.gateway.collector)
-        return host
 
     async def run_one(
         self, trajectory: Trajectory, sample: Any, sampling: SamplingParams | None = None, *, end_on_abort: bool = True
@@ -603,23 +578,3 @@ class RolloutEngine:
 def _drop_zero_std(group: Group) -> str | None:
     rewards = [r for r in group.rewards if isinstance(r, int | float)]
     return "zero_std" if len(group.trajectories) > 1 and len(set(rewards)) <= 1 else None
-
-
-_frozen = False  # whether this process's long-lived objects have been frozen
-
-
-def freeze_long_lived() -> None:
-    """Once per process: collect garbage, then move every object alive into the collector's permanent generation
-    (gc.freeze), which its full passes skip. A full pass stops the event loop for as long as it takes, and what the
-    rollout process holds when an engine starts (modules, torch, the tokenizer) makes that 130-160 ms at every pass
-    (benchmarks.longtail --no-gc-freeze); those objects live as long as the process anyway."""
-    global _frozen
-    if not _frozen:
-        _frozen = True
-        freeze_alive()
-
-
-def freeze_alive() -> None:
-    """Collect garbage, then freeze what is left alive (gc.freeze): the collector's passes skip it from then on."""
-    gc.collect()
-    gc.freeze()

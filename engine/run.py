@@ -29,7 +29,8 @@ from engine.config import Settings
 from engine.encoding import ChatEncoder
 from engine.engine import RolloutEngine
 from engine.envs.base import AbandonedCalls
-from engine.envs.loader import EnvFactory, hosted, load_env_module
+from engine.envs.loader import EnvFactory, load_env_module
+from engine.envs.ray_workers import hosted
 from engine.errors import BackendError
 from engine.metrics.live import LiveView
 from engine.metrics.logging import TurnLogger
@@ -74,24 +75,28 @@ class Run:
 
     def execute(self) -> int:
         """Run it: 0; 1 when every trajectory failed; 2 when the backend failed as the engine started;
-        130 on Ctrl-C (the trajectories written stay written)."""
+        130 on Ctrl-C (the trajectories written stay written, and the last line counts them)."""
         ran: list[RolloutEngine] = []  # the engine, once built: what it leaves running is said at exit
+        written: list[Trajectory] = []  # each as its line is written
+        interrupted = False
         try:
-            return anyio.run(self._run, ran)
+            return anyio.run(self._run, ran, written)
         except BackendError as exc:  # the backend failed outside any trajectory: one line
             print(f"turnstile: {exc.message}", file=sys.stderr)
             return 2
         except KeyboardInterrupt:
-            where = "" if self.args.out == "-" else f"; the trajectories that ended are in {self.args.out}"
-            print(f"turnstile: interrupted{where}", file=sys.stderr)
+            interrupted = True
             return 130
         finally:
             self.make_env.close()  # env workers, when the envs run in them
             if ran:
                 _wait_for(ran[0].abandoned_env_calls)
+            if interrupted:  # the last line: what the run leaves behind it
+                where = "stdout" if self.args.out == "-" else self.args.out
+                count = f"{len(written)} trajector{'y' if len(written) == 1 else 'ies'}"
+                print(f"turnstile: interrupted; {count} written to {where}", file=sys.stderr)
 
-    async def _run(self, ran: list[RolloutEngine]) -> int:
-        finished: list[Trajectory] = []
+    async def _run(self, ran: list[RolloutEngine], finished: list[Trajectory]) -> int:
         started = time.monotonic()
         decode = _decoder(self.encoder) if self.args.text else None
         async with AsyncExitStack() as stack:
@@ -125,7 +130,7 @@ class Run:
                 async for group in engine.stream():
                     for trajectory in group.trajectories:
                         sink.write(json.dumps(trajectory.to_record(decode), default=str) + "\n")
-                    finished.extend(group.trajectories)
+                        finished.append(trajectory)
                 view.cancel_scope.cancel()
         _summary(finished, time.monotonic() - started, self.args.out)
         return 1 if finished and all(t.status is Status.FAILED for t in finished) else 0  # nothing succeeded
@@ -208,10 +213,17 @@ def _need_torch(what: str) -> None:
 
 def _server_tokenizer(url: str) -> str:
     """--url without --tokenizer: the tokenizer directory the server names (GET /model_info), where it is one on
-    this machine; else one error saying to give it. The built-in Qwen2.5 tokenizer is never guessed."""
+    this machine; else one error saying to give it (or, where nothing answers at `url`, that the server is
+    unreachable). The built-in Qwen2.5 tokenizer is never guessed."""
     try:
         reply = httpx2.get(f"{url}/model_info", timeout=10.0, trust_env=False)
         info = reply.json() if reply.status_code == 200 else None
+    except httpx2.TransportError as exc:  # nothing answered: the server, not the tokenizer, is what is wrong
+        detail = f"{type(exc).__name__}: {exc}" if str(exc) else f"{type(exc).__name__} (connection closed)"
+        raise ValueError(
+            f"the server at {url} is unreachable: GET /model_info: {detail} (asked for its tokenizer, "
+            "as --tokenizer is not given)"
+        ) from exc
     except (httpx2.HTTPError, ValueError) as exc:
         info, why = None, f"{type(exc).__name__}: {exc}"
     else:

@@ -7,6 +7,7 @@ clear error per bad line. slime's data source is adapted in the bridge.
 
 from __future__ import annotations
 
+import difflib
 import itertools
 import json
 from collections import deque
@@ -54,6 +55,10 @@ class QueueSource:
         return list(self._rows)
 
 
+# The roles a chat template renders; `developer` (OpenAI's name for the system message) is rendered as `system`
+# (engine/encoding.py). A template renders another role as nothing, or raises on it.
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
 # Where other datasets keep a row's prompt (OpenAI-style `messages`, HF chat sets' `conversations`, ...).
 PROMPT_KEYS_ELSEWHERE = ("messages", "conversations", "conversation", "input", "question", "text")
 
@@ -80,7 +85,8 @@ def jsonl_rows(path: str | Path) -> Iterator[dict[str, Any]]:
 def check_row(row: Any, *, where: str) -> dict[str, Any]:
     """A row's prompt is chat messages, or text already rendered with the chat template (given to the
     model as it is, as slime's `--apply-chat-template` prompts are); its `metadata`, when given, a
-    mapping, and its `images` (beside a rendered prompt) a list."""
+    mapping, its `images` (beside a rendered prompt) a list, and the role of each of its messages one a chat
+    template renders (ROLES)."""
     if isinstance(row, dict) and "prompt" not in row and (others := sorted(set(row) & set(PROMPT_KEYS_ELSEWHERE))):
         raise ValueError(
             f"{where}: no 'prompt', but {others[0]!r}: a row gives its chat messages (or rendered text) as "
@@ -92,6 +98,15 @@ def check_row(row: Any, *, where: str) -> dict[str, Any]:
         raise ValueError(f"{where}: 'metadata' must be an object, not {type(row['metadata']).__name__}")
     if not isinstance(row.get("images") or [], list | tuple):
         raise ValueError(f"{where}: 'images' must be a list of images, not {type(row['images']).__name__}")
+    for i, message in enumerate(row["prompt"] if isinstance(row["prompt"], list) else ()):
+        role = message.get("role") if isinstance(message, dict) else None
+        if isinstance(role, str) and role not in ROLES:
+            close = difflib.get_close_matches(role, ROLES, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(
+                f"{where}: prompt message {i} has role {role!r}{hint}: one of {', '.join(ROLES)} "
+                "(a chat template renders another role as nothing, or raises)"
+            )
     return row
 
 

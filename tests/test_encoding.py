@@ -20,9 +20,10 @@ from engine.envs.base import EnvRunner
 from engine.errors import ObservationError
 from engine.models import load_tokenizer, packaged_template
 from engine.multimodal import ImagePayloads
+from engine.scheduler.reference import run_trajectory
 from engine.template_drift import SYSTEM, TOOLS  # the conversations check-template runs
 from engine.trajectory import Status, StopReason, Trajectory
-from engine.turn import TurnLimits, run_trajectory
+from engine.turn import TurnLimits
 from tests.fakes import ScriptedBackend, ScriptedEnv
 
 PROMPT = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is 17 + 25?"}]
@@ -262,6 +263,15 @@ def test_tokenizer_without_chat_template_is_refused(tokenizer):
     bare.chat_template = None
     with pytest.raises(ValueError, match="has no chat template"):
         ChatEncoder(bare)
+
+
+def test_a_developer_message_is_rendered_as_the_system_message(tokenizer):
+    encoder = ChatEncoder(tokenizer)  # Qwen2.5's template renders a 'developer' message as nothing
+    brief = {"content": "Answer in one word."}
+    as_developer = encoder.encode_prompt([{"role": "developer", **brief}, {"role": "user", "content": "hi"}])
+    as_system = encoder.encode_prompt([{"role": "system", **brief}, {"role": "user", "content": "hi"}])
+    assert as_developer.token_ids == as_system.token_ids
+    assert "Answer in one word." in tokenizer.decode(as_developer.token_ids)
 
 
 def test_prefix_is_computed_once_per_role(tokenizer, monkeypatch):

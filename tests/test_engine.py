@@ -13,9 +13,10 @@ from engine.encoding import ChatEncoder
 from engine.engine import EngineConfig, RolloutEngine
 from engine.envs.base import AsyncInteractionEnv, EnvRunner
 from engine.errors import BackendError, EnvRetryableError, ErrorClass
+from engine.scheduler.reference import run_trajectory
 from engine.scheduler.retry import RetryPolicy
 from engine.trajectory import Status, StopReason, Trajectory
-from engine.turn import TurnLimits, run_trajectory
+from engine.turn import TurnLimits
 from tests.fakes import DeterministicBackend
 
 FAST_RETRY = RetryPolicy(backoff_base_s=0.0)
@@ -635,7 +636,7 @@ def _is_collected(obj: object) -> bool:
 
 @pytest.mark.anyio
 async def test_the_first_engine_freezes_what_is_alive_and_a_later_one_leaves_the_collector_alone(encoder, monkeypatch):
-    import engine.engine as engine_module
+    import engine.gc_freeze as engine_module
 
     monkeypatch.setattr(engine_module, "_frozen", False)
     gc.unfreeze()
@@ -655,7 +656,7 @@ async def test_the_first_engine_freezes_what_is_alive_and_a_later_one_leaves_the
 
 @pytest.mark.anyio
 async def test_gc_freeze_false_leaves_the_collector_as_it_is(encoder, monkeypatch):
-    import engine.engine as engine_module
+    import engine.gc_freeze as engine_module
 
     monkeypatch.setattr(engine_module, "_frozen", False)
     gc.unfreeze()

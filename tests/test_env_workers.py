@@ -23,7 +23,7 @@ import pytest
 from engine.backends.base import SamplingParams
 from engine.encoding import ChatEncoder
 from engine.engine import EngineConfig, RolloutEngine
-from engine.envs.loader import EnvFactory, hosted
+from engine.envs.loader import EnvFactory
 from engine.errors import ErrorClass
 from engine.scheduler.retry import DEFAULT_PER_TURN, RetryPolicy
 from engine.trajectory import Status, StopReason, Trajectory
@@ -31,7 +31,7 @@ from engine.turn import TurnLimits
 from tests.fakes import DeterministicBackend
 
 ray = pytest.importorskip("ray", reason="Ray is part of the dev extra; install it with `pip install -e .[dev]`")
-from engine.envs.ray_workers import EnvWorkerPool  # noqa: E402 -- needs Ray
+from engine.envs.ray_workers import EnvWorkerPool, hosted  # noqa: E402 -- needs Ray
 
 pytestmark = pytest.mark.slow
 

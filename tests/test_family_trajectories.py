@@ -22,9 +22,10 @@ from engine.backends.base import SamplingParams
 from engine.encoding import DUMMY_MESSAGES, ChatEncoder
 from engine.envs.base import BaseInteractionEnv, EnvRunner
 from engine.envs.tool_calls import Tool, ToolCall, parse_tool_calls
+from engine.scheduler.reference import run_trajectory
 from engine.template_check import sampled_reply
 from engine.trajectory import Status, StopReason, Trajectory
-from engine.turn import TurnLimits, run_trajectory
+from engine.turn import TurnLimits
 from tests.fakes import ScriptedBackend
 from tests.family_fixtures import family_tokenizer
 

@@ -202,7 +202,8 @@ def assert_agent_faults_shown(entry: dict, faults) -> None:
     if faults.malformed:  # each one refused with a 4xx in the API's format (else its agent crashes), counted
         sent = sum(v for k, v in agents.items() if k.startswith("malformed_sent:"))
         assert sent > 0 and agents["malformed_refused"] == sent, agents
-        assert gateway.get("bad_requests:400", 0) + gateway.get("bad_requests:404", 0) >= sent, gateway
+        refused = sum(gateway.get(f"bad_requests:{status}", 0) for status in (400, 401, 404))
+        assert refused >= sent, gateway
     if faults.disconnect:  # the same request again after leaving its stream: the one reply, no fork
         assert agents["disconnects"] > 0, agents
         assert not any(k.startswith("forks:") for k in gateway), gateway

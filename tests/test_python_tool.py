@@ -4,6 +4,7 @@ end on the embedded default and against a real SGLang server."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -27,6 +28,7 @@ from engine.envs.python_tool import (
     make_prompts,
     run_python,
 )
+from engine.envs.python_tool.cgroups import CallGroup, cgroup_parent
 from engine.envs.python_tool.sandbox import Tool
 from engine.envs.python_tool.tasks import TASKS_BY_ID
 from engine.scheduler.retry import RetryPolicy
@@ -88,6 +90,61 @@ async def test_a_fork_bomb_hits_the_process_limit():
     if "processes" in result.limits_hit:
         assert "the process limit of 8 was reached" in result.observation()
     assert await _still_forks()  # the machine is not starved of processes afterwards
+
+
+async def test_a_call_cancelled_while_it_runs_leaves_no_control_group(monkeypatch):
+    found = isolation()
+    needs("a control group per call", found.tool is Tool.BUBBLEWRAP and found.cgroup is not None)
+    joined, groups = anyio.Event(), []
+    join = CallGroup.join
+
+    def joined_then_said(group: CallGroup, pid: int) -> None:  # run in a worker thread
+        join(group, pid)
+        groups.append(group)
+        anyio.from_thread.run_sync(joined.set)
+
+    monkeypatch.setattr(CallGroup, "join", joined_then_said)
+    with anyio.fail_after(FAST.wall_seconds + 10):
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(run_python, "import time\ntime.sleep(60)", FAST)
+            await joined.wait()
+            tasks.cancel_scope.cancel()
+    [group] = groups
+    left = [directory for directory in group.directories if directory.exists()]
+    group.remove()  # where the test fails, not left on the machine
+    assert not left
+
+
+async def test_a_group_whose_call_is_cancelled_while_it_closes_is_still_removed(monkeypatch):
+    """The first kill finds a process still exiting (one freeing much memory takes a while), so closing waits;
+    the call is cancelled then. The group is removed all the same, within its own deadline."""
+    parent = cgroup_parent()
+    needs("a control group per call", parent is not None)
+    group = CallGroup.create(parent, memory_bytes=64 << 20, processes=4)
+    process = await anyio.open_process(["sleep", "60"])
+    try:
+        group.join(process.pid)
+        waiting = anyio.Event()
+        kill = CallGroup.kill
+
+        def still_exiting_at_first(group: CallGroup) -> None:
+            if not waiting.is_set():
+                waiting.set()
+                return
+            kill(group)
+
+        monkeypatch.setattr(CallGroup, "kill", still_exiting_at_first)
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(group.close)
+                await waiting.wait()  # close() is waiting for the process to go
+                tasks.cancel_scope.cancel()
+        assert not any(directory.exists() for directory in group.directories)
+    finally:  # the process is gone already where close() did its work
+        with contextlib.suppress(ProcessLookupError):
+            process.kill()
+        await process.wait()
+        group.remove()
 
 
 async def _still_forks() -> bool:

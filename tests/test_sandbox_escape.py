@@ -3,6 +3,7 @@ ordinary user; and the reward hack that gets through the hand-built fallback fai
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -10,7 +11,10 @@ import os
 import secrets
 import shutil
 import subprocess
+import sys
 import sysconfig
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -42,13 +46,40 @@ async def test_stopped_as_root(name):
         await ATTACKS[name](host)
 
 
+def system_python() -> str:
+    """The system's python3, which an ordinary user can run (this process's may sit under a home only its owner
+    enters, as pyenv's does), of this one's version, so this venv's compiled packages import on it."""
+    python = shutil.which("python3", path="/usr/bin:/bin")
+    assert python is not None, "no /usr/bin/python3 for the ordinary user to run the attacks on"
+    asked = subprocess.run([python, "-c", "import sys; print(*sys.version_info[:2])"], capture_output=True, text=True)
+    version = tuple(map(int, asked.stdout.split()))
+    assert version == sys.version_info[:2], f"{python} is Python {version}, this venv's packages are for {sys.version}"
+    return python
+
+
+@contextlib.contextmanager
+def handed(*paths: str) -> Iterator[tuple[list[str], tuple[int, ...]]]:
+    """`paths` as descriptors opened here, and their `/proc/self/fd/N` names in a child given them: the child reads
+    below each path without the search permission its parents would ask (the clone, or its venv, may lie under
+    a home only its owner enters)."""
+    fds = tuple(os.open(path, os.O_RDONLY | os.O_DIRECTORY) for path in dict.fromkeys(paths))
+    try:
+        yield [f"/proc/self/fd/{fd}" for fd in fds], fds
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
 @pytest.fixture(scope="module")
 def as_ordinary_user(tmp_path_factory):
     """Every attack, run once by `python -m tests.sandbox_attacks` as an ordinary user in control groups
-    delegated to it; the outcomes by attack. Where this process is not root, it is that user."""
+    delegated to it; the outcomes by attack. Where this process is not root, it is that user. The user is
+    handed the clone and this venv's packages as open descriptors, and runs the system's python3, so that
+    wherever the clone lives it needs no path of it."""
     if os.geteuid() != 0:
         return {"uid": os.getuid(), "outcomes": None}
     bubblewrap_or_fail()
+    python = system_python()
     parent = cgroup_parent()
     delegated = []
     for directory in parent.directories:
@@ -57,22 +88,22 @@ def as_ordinary_user(tmp_path_factory):
         delegated.append(group)
         for path in [group, *group.iterdir()]:
             os.chown(path, USER, USER)
-    python = shutil.which("python3", path="/usr/bin:/bin")  # this one may sit where the user cannot reach
-    site = sysconfig.get_path("purelib")
-    env = {
-        "PATH": "/usr/bin:/bin",
-        "HOME": "/nonexistent",
-        "PYTHONPATH": f"{REPO}:{site}",
-        "TURNSTILE_ATTACK_CGROUPS": ":".join(map(str, delegated)),
-    }
     home = tmp_path_factory.mktemp("user")
     os.chown(home, USER, USER)
-    env["TMPDIR"] = str(home)
+    packages = (sysconfig.get_path("purelib"), sysconfig.get_path("platlib"))
     try:
-        done = subprocess.run(
-            [python, "-m", "tests.sandbox_attacks"], cwd=REPO, env=env, user=USER, group=USER, extra_groups=[],
-            capture_output=True, text=True, timeout=600,
-        )  # fmt: skip
+        with handed(str(REPO), *packages) as (paths, fds):
+            env = {
+                "PATH": "/usr/bin:/bin",
+                "HOME": "/nonexistent",
+                "TMPDIR": str(home),
+                "PYTHONPATH": ":".join(paths),
+                "TURNSTILE_ATTACK_CGROUPS": ":".join(map(str, delegated)),
+            }
+            done = subprocess.run(
+                [python, "-m", "tests.sandbox_attacks"], cwd=home, env=env, user=USER, group=USER, extra_groups=[],
+                pass_fds=fds, capture_output=True, text=True, timeout=600,
+            )  # fmt: skip
         assert done.returncode == 0, done.stderr[-4000:]
         return json.loads(done.stdout.splitlines()[-1])
     finally:
@@ -96,13 +127,25 @@ async def test_stopped_as_an_ordinary_user(name, as_ordinary_user):
     assert as_ordinary_user["outcomes"][name] == "stopped", as_ordinary_user["isolation"]
 
 
-async def test_the_reward_hack_passes_the_hand_built_sandbox_and_fails_under_bubblewrap(monkeypatch):
+@pytest.fixture
+def readable_tasks():
+    """tasks.py where any user may read it, as in a package installed under /usr (the clone may lie under a home
+    only its owner enters, which would hide it from the sandbox's user whatever the sandbox)."""
+    with tempfile.TemporaryDirectory(prefix="turnstile-installed-") as folder:
+        os.chmod(folder, 0o755)
+        table = Path(folder) / "tasks.py"
+        shutil.copyfile(tasks.__file__, table)
+        os.chmod(table, 0o644)
+        yield str(table)
+
+
+async def test_the_reward_hack_passes_the_hand_built_sandbox_and_fails_under_bubblewrap(monkeypatch, readable_tasks):
     """The attack is real: where the hand-built fallback runs the check, reading the task table passes."""
     bubblewrap_or_fail()
     checker = tasks.TASKS_BY_ID["reverse-words"].checker
-    assert not (await checker.check(reward_hack_answer(), FAST)).passed
+    assert not (await checker.check(reward_hack_answer(readable_tasks), FAST)).passed
     monkeypatch.setattr(checkers, "run_python", functools.partial(run_python, found=probe(Tool.UNSHARE)))
-    verdict = await checker.check(reward_hack_answer(), FAST)
+    verdict = await checker.check(reward_hack_answer(readable_tasks), FAST)
     assert verdict.passed and verdict.detail == "3 of 3 test cases pass"
 
 

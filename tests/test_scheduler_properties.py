@@ -19,9 +19,10 @@ from engine.engine import EngineConfig, RolloutEngine
 from engine.envs.base import EnvRunner
 from engine.errors import BackendError, EnvRetryableError, ErrorClass
 from engine.scheduler.queue import Policy
+from engine.scheduler.reference import run_trajectory
 from engine.scheduler.retry import RetryPolicy
 from engine.trajectory import Status, StopReason, Trajectory
-from engine.turn import TurnLimits, run_trajectory
+from engine.turn import TurnLimits
 from tests.fakes import DeterministicBackend
 from tests.test_engine import TurnsEnv
 

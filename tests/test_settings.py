@@ -5,6 +5,7 @@ are refused with one error naming them; docs/settings.md is the model's table.""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import re
 from pathlib import Path
@@ -15,7 +16,7 @@ import pytest
 from bridge.flags import FLAGS, Handling
 from bridge.settings import EMBEDDED_TURN_TOKENS, BridgeSettings, section, settings_from_args
 from engine.backends.base import SamplingParams
-from engine.cli import build_parser, main, settings_from_flags
+from engine.cli import NOT_GIVEN, build_parser, main, settings_from_flags
 from engine.config import (
     RETRY_FLAGS,
     EngineConfig,
@@ -123,8 +124,50 @@ def test_every_flag_is_a_knob_with_its_description_and_no_default_of_its_own():
     assert {"max_generating", "max_env_steps", "max_inflight", "env_step_timeout", "backend", "url"} <= knobs.keys()
     for dest, field in knobs.items():
         action = by_dest[dest]
-        assert action.default is None and action.help.startswith(field.description.replace("%", "%%")), dest
+        assert action.default is NOT_GIVEN and action.help.startswith(field.description.replace("%", "%%")), dest
     assert run_settings() == Settings()
+
+
+def _value_flags() -> list[tuple[str, argparse.Action]]:
+    """Every option of every `turnstile` command that takes a value, with its command."""
+    commands = build_parser()._subparsers._group_actions[0].choices
+    return [
+        (command, action)
+        for command, parser in commands.items()
+        for action in parser._actions
+        if action.option_strings and action.nargs != 0 and not isinstance(action, argparse._HelpAction)
+    ]
+
+
+def test_every_flag_whose_help_says_none_takes_none_and_no_other_flag_does():
+    says_none, takes_none = set(), set()
+    for command, action in _value_flags():
+        flag = action.option_strings[-1]
+        if re.search(r"\bnone\b", action.help or "", re.IGNORECASE):
+            says_none.add(flag)
+        try:
+            args = build_parser().parse_args([command, flag, "none"])
+        except SystemExit:
+            continue
+        if getattr(args, action.dest) is None:
+            takes_none.add(flag)
+            if command == "run":  # and the setting is None: not taken for a flag left out
+                settings = settings_from_flags(args)
+                retry = {dashed.replace("-", "_"): name for name, dashed in RETRY_FLAGS.items()}
+                knob = settings.retry if action.dest in retry else settings
+                assert getattr(knob, retry.get(action.dest, action.dest)) is None, flag
+    assert {"--metrics-port", "--env-step-timeout", "--backend", "--max-new-tokens", "--url"} <= says_none
+    assert takes_none == says_none
+
+
+def test_a_flag_given_none_overrides_the_yaml(tmp_path):
+    yaml_file = tmp_path / "run.yaml"
+    yaml_file.write_text("metrics_port: 9400\nbackend: local\nretry: {env_step_timeout_s: 50}\n")
+    settings = run_settings(
+        "--config", str(yaml_file), "--metrics-port", "none", "--backend", "none", "--env-step-timeout", "None"
+    )
+    assert (settings.metrics_port, settings.backend, settings.retry.env_step_timeout_s) == (None, None, None)
+    assert run_settings("--config", str(yaml_file)).metrics_port == 9400
 
 
 @pytest.mark.parametrize(

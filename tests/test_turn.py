@@ -9,8 +9,9 @@ from engine.backends.base import SamplingParams
 from engine.encoding import ChatEncoder
 from engine.envs.base import EnvRunner
 from engine.errors import BackendError, ErrorClass, Stage
+from engine.scheduler.reference import run_trajectory
 from engine.trajectory import Status, StopReason, Trajectory
-from engine.turn import TurnLimits, run_trajectory
+from engine.turn import TurnLimits
 from tests.fakes import ScriptedBackend, ScriptedEnv
 
 PROMPT = [{"role": "user", "content": "What is 2 + 2?"}]

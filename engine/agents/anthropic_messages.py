@@ -23,7 +23,7 @@ from typing import Any, Literal
 from anthropic.types import Message, TextBlock, ThinkingBlock, ToolUseBlock, Usage
 from pydantic import ConfigDict, Field
 
-from engine.agents.request import RequestError, TurnInfo, check_policy_rules, sse, validated
+from engine.agents.request import RequestError, TurnInfo, check_policy_rules, forces_a_call, sse, validated
 from engine.agents.streaming import Sent
 from engine.agents.tools import DialectRequest, function_tool, stop_strings
 
@@ -76,7 +76,9 @@ class MessagesRequest(DialectRequest):
         return stop_strings(self.stop_sequences)
 
     def sampling_asked(self) -> list[str]:
-        return [name for name in IGNORED if getattr(self, name) is not None]
+        return [name for name in IGNORED if getattr(self, name) is not None] + ["tool_choice"] * forces_a_call(
+            self.tool_choice
+        )
 
     def chat_tools(self) -> list[dict[str, Any]] | None:
         """The tools in the shape chat templates take: custom tools, and the client-run tools Anthropic defines
@@ -186,8 +188,7 @@ class MessagesRequest(DialectRequest):
 def read_request(raw: Any, *, client_sampling: Literal["ignore", "refuse"] = "ignore") -> MessagesRequest:
     """The request, or RequestError naming what is wrong with it."""
     request = validated(raw, MessagesRequest)
-    choice = (request.tool_choice or {}).get("type", "auto")
-    check_policy_rules(None if choice in ("auto", "none") else choice, request.sampling_asked(), client_sampling)
+    check_policy_rules(request.tool_choice, request.sampling_asked(), client_sampling)
     return request
 
 

@@ -33,7 +33,7 @@ import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -42,6 +42,9 @@ from engine.agents.session import Session, SessionEnv
 from engine.envs.base import EnvRunner
 from engine.errors import EnvError, ErrorClass
 from engine.trajectory import Trajectory
+
+if TYPE_CHECKING:
+    from engine.hosting import EnvHost
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +58,6 @@ class AgentFailed(Exception):
 class AgentEnv:
     """An agent program for one sample: `run` starts it with its session's addresses and returns its info."""
 
-    is_agent = True  # the engine runs it as its trajectory's agent (AgentSessionEnv)
     timeout_s: float = 1800.0  # the agent's deadline, from its start
 
     async def run(self, agent: AgentRun) -> Mapping[str, Any] | None:
@@ -73,6 +75,10 @@ class AgentEnv:
     async def aclose(self) -> None:
         """End what the agent left that `run_process` does not (a container, a remote sandbox)."""
 
+    def bind_runner(self, host: EnvHost, trajectory: Trajectory, sample: Any, name: str) -> EnvRunner:
+        """The engine's hook (engine/hosting.py): `trajectory` is the main chain of a session of its gateway."""
+        return AgentHost.of(host).runner(self, trajectory, sample, name)
+
 
 @dataclass
 class AgentRun:
@@ -84,7 +90,7 @@ class AgentRun:
     model: str
     sample: Any  # the env's sample (an EnvSample, or slime's Sample)
     deadline: float  # time.monotonic() by which the agent ends
-    api_key: str = "turnstile"  # any key: the session id in the URL is what names the session
+    api_key: str  # its session's key: the gateway serves the session only to a request that presents it
 
     @property
     def task(self) -> Any:
@@ -141,6 +147,24 @@ class AgentHost:
         self._tasks: anyio.abc.TaskGroup | None = None
         self._serving: anyio.Event | None = None
         self._start_error: BaseException | None = None
+
+    @classmethod
+    def of(cls, host: EnvHost) -> AgentHost:
+        """The engine's agent host, made by its first agent env: served in its task group, on its scheduler, with
+        its agent settings, the gateway's series on its /metrics."""
+        return host.shared(cls, cls._on)
+
+    @classmethod
+    def _on(cls, host: EnvHost) -> AgentHost:
+        config = host.config
+        agents = cls(
+            host.scheduler, host=config.agent_host, port=config.agent_port, public_url=config.agent_public_url,
+            client_sampling=config.agent_client_sampling,
+        )  # fmt: skip
+        agents.attach(host.tasks)
+        if host.registry is not None:  # the gateway's series beside the engine's, on the engine's /metrics
+            host.registry.register(agents.gateway.collector)
+        return agents
 
     def attach(self, tasks: anyio.abc.TaskGroup) -> None:
         """The task group to serve the gateway and run the agents in (the engine's)."""
@@ -216,6 +240,7 @@ class AgentSessionEnv(SessionEnv):
             model=gateway.model_name,
             sample=self.sample,
             deadline=time.monotonic() + self.agent.timeout_s,
+            api_key=session.key,
         )
         self.host.start_soon(self._run_agent, run, session, self._ended)
         await _first_of(session.main_started, self._ended)  # its first request, or its end without one

@@ -45,8 +45,8 @@ from engine.agents.request import RequestError, TurnInfo
 from engine.agents.session import Asked, Chain, Session, SessionEnv
 from engine.agents.streaming import StreamSplitter
 from engine.agents.wire import presented_key, read, read_body, says_retry
-from engine.engine import freeze_long_lived
 from engine.envs.base import EnvRunner
+from engine.gc_freeze import freeze_long_lived
 from engine.parsers import MalformedCall, ParsedTurn
 from engine.scheduler.scheduler import Scheduler
 from engine.trajectory import Status, StopReason, Trajectory

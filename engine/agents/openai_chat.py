@@ -24,7 +24,7 @@ from openai.types.chat.chat_completion_message_function_tool_call import ChatCom
 from openai.types.completion_usage import CompletionUsage, PromptTokensDetails
 from pydantic import ConfigDict, Field, field_validator
 
-from engine.agents.request import RequestError, TurnInfo, check_policy_rules, sse, validated
+from engine.agents.request import RequestError, TurnInfo, check_policy_rules, forces_a_call, sse, validated
 from engine.agents.streaming import Sent
 from engine.agents.tools import DialectRequest, chat_tools_of, stop_strings
 from engine.parsers import ParsedTurn
@@ -94,7 +94,9 @@ class ChatRequest(DialectRequest):
     def sampling_asked(self) -> list[str]:
         """The sampling fields the client set (which the rollout's settings override)."""
         extra = self.model_extra or {}
-        return [name for name in IGNORED if extra.get(name) is not None]
+        return [name for name in IGNORED if extra.get(name) is not None] + ["tool_choice"] * forces_a_call(
+            self.tool_choice
+        )
 
 
 def read_request(raw: Any, *, client_sampling: Literal["ignore", "refuse"] = "ignore") -> ChatRequest:

@@ -38,7 +38,7 @@ from openai.types.responses.response_usage import InputTokensDetails, OutputToke
 from pydantic import ConfigDict, Field, PrivateAttr
 
 from engine.agents.openai_chat import IGNORED, error_body  # noqa: F401 -- OpenAI's error format, for the gateway
-from engine.agents.request import RequestError, TurnInfo, check_policy_rules, sse, validated
+from engine.agents.request import RequestError, TurnInfo, check_policy_rules, forces_a_call, sse, validated
 from engine.agents.streaming import Sent
 from engine.agents.tools import DialectRequest, function_tool
 
@@ -84,7 +84,9 @@ class ResponsesRequest(DialectRequest):
 
     def sampling_asked(self) -> list[str]:
         extra = self.model_extra or {}
-        return [name for name in IGNORED if extra.get(name) is not None]
+        return [name for name in IGNORED if extra.get(name) is not None] + ["tool_choice"] * forces_a_call(
+            self.tool_choice
+        )
 
     def offered(self, name: str) -> Offered:
         """What the client offered under the name the policy called."""

@@ -45,15 +45,24 @@ def validated(raw: Any, model: type[Model]) -> Model:
         raise RequestError(text if text.startswith(where) else f"{where}: {text}", param=where or None) from None
 
 
+def forces_a_call(tool_choice: Any) -> bool:
+    """Whether a `tool_choice` asks the policy for a call it would not choose itself (OpenAI's "required" or a
+    named tool, Anthropic's `any` or `tool`): the rollout's policy chooses its own calls."""
+    kind = tool_choice.get("type") if isinstance(tool_choice, dict) else tool_choice
+    return kind not in (None, "auto", "none")
+
+
 def check_policy_rules(tool_choice: Any, asked: list[str], client_sampling: Literal["ignore", "refuse"]) -> None:
-    """What a request may not ask of the policy: a forced tool choice (the policy chooses its own calls), or,
-    with `client_sampling="refuse"`, sampling of its own (`asked`: the fields it set)."""
-    if tool_choice not in (None, "auto"):
+    """With `client_sampling="refuse"`, what a request may not ask of the policy: a forced tool choice, or
+    sampling of its own (`asked`: the fields it set). Otherwise both are ignored (and counted by the gateway)."""
+    if client_sampling != "refuse":
+        return
+    if forces_a_call(tool_choice):
         raise RequestError(
             f"tool_choice={tool_choice!r}: the policy chooses its own calls (leave it out, or 'auto')",
             param="tool_choice",
         )
-    if client_sampling == "refuse" and asked:
+    if asked := [name for name in asked if name != "tool_choice"]:
         raise RequestError(f"{', '.join(asked)}: the rollout's sampling settings rule", param=asked[0])
 
 

@@ -7,7 +7,7 @@ The module is a dotted module path or a path to a `.py` file, and exposes
 `build_env(sample=None, args=None, **kw)` (a positional `build_env(sample, args)` works too).
 Every problem with the module or with what `build_env` returns raises `EnvLoadError`, naming the
 module and the cause; failures of the env's own steps are the runner's (EnvError). `hosted(factory,
-env_workers=4)` runs the same module's envs in Ray actors instead (engine/envs/ray_workers.py).
+env_workers=4)` of engine/envs/ray_workers.py runs the same module's envs in Ray actors instead.
 """
 
 from __future__ import annotations
@@ -21,14 +21,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from engine.envs.base import BaseInteractionEnv, EnvRunner
 from engine.envs.builtin import resolve_env_path
 from engine.errors import EnvError, ErrorClass
-
-if TYPE_CHECKING:
-    from engine.envs.ray_workers import EnvWorkerPool
 
 
 class EnvLoadError(EnvError, ValueError):
@@ -163,19 +160,6 @@ class EnvFactory:
         if callable(own) and getattr(own, "__func__", None) is not BaseInteractionEnv.format_observation:
             return own
         return self._module_format  # None: the runner's default
-
-
-def hosted(
-    factory: EnvFactory, *, env_workers: int = 0, capacity: int = 16, ray_address: str | None = None
-) -> EnvFactory | EnvWorkerPool:
-    """Where the envs of `factory`'s module run: in this process (`factory` itself, its sync calls in the
-    engine's threads) with no env workers, else in a pool of `env_workers` Ray actors running up to
-    `capacity` env calls each (engine/envs/ray_workers.py). Close what it returns when the run ends."""
-    if not env_workers:
-        return factory
-    from engine.envs.ray_workers import EnvWorkerPool
-
-    return EnvWorkerPool(factory, num_workers=env_workers, capacity=capacity, address=ray_address)
 
 
 def _takes_keywords(fn: Any) -> bool | None:

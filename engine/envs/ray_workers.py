@@ -1,6 +1,7 @@
 """Env workers: envs hosted in a pool of Ray actors instead of the rollout process's threads.
 
     pool = EnvWorkerPool(EnvFactory("my_pkg.my_env", args), num_workers=4, capacity=32)
+    # or hosted(EnvFactory(...), env_workers=4): the factory itself where env_workers is 0
     async with RolloutEngine(..., env_factory=pool, ...) as engine: ...   # given as an EnvFactory is
     pool.close()                                                          # the workers end
 
@@ -276,6 +277,17 @@ class EnvWorkerPool:
             self._ray.kill(worker.actor, no_restart=True)
         except Exception as exc:  # noqa: BLE001 -- already gone, or Ray is shut down: nothing left to end
             log.debug("ending env worker %d: %r", worker.slot, exc)
+
+
+def hosted(
+    factory: EnvFactory, *, env_workers: int = 0, capacity: int = 16, ray_address: str | None = None
+) -> EnvFactory | EnvWorkerPool:
+    """Where the envs of `factory`'s module run: in this process (`factory` itself, its sync calls in the
+    engine's threads) with no env workers, else in a pool of `env_workers` Ray actors running up to
+    `capacity` env calls each. Close what it returns when the run ends."""
+    if not env_workers:
+        return factory
+    return EnvWorkerPool(factory, num_workers=env_workers, capacity=capacity, address=ray_address)
 
 
 class RemoteEnvRunner:

@@ -21,14 +21,14 @@ from rich.text import Text
 from engine.scheduler.queue import Phase
 
 if TYPE_CHECKING:
-    from engine.engine import RolloutEngine
     from engine.metrics.recorder import MetricsRecorder
+    from engine.statistics import Measured
 
 
 class LiveView:
     def __init__(
         self,
-        engine: RolloutEngine,
+        engine: Measured,
         recorder: MetricsRecorder,
         *,
         total_groups: int,

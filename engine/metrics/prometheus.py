@@ -31,7 +31,7 @@ from engine.metrics.recorder import HistogramSnapshot, MetricsRecorder
 from engine.scheduler.queue import Phase
 
 if TYPE_CHECKING:
-    from engine.engine import RolloutEngine
+    from engine.statistics import Measured
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ def _gauge(name: str, doc: str, values: dict[tuple[str, ...], float], labels: tu
 
 
 class EngineCollector(Collector):
-    def __init__(self, engine: RolloutEngine, recorder: MetricsRecorder):
+    def __init__(self, engine: Measured, recorder: MetricsRecorder):
         self.engine, self.recorder = engine, recorder
 
     def describe(self) -> list[Metric]:
@@ -204,7 +204,7 @@ class EngineCollector(Collector):
         yield _gauge(
             "weight_version_index",
             "How many weight versions generation has moved through (0: the first it ran with).",
-            {(): self.engine.scheduler.clock.index(self.engine.scheduler.clock.current)},
+            {(): stats.weight_version_index},
         )
 
     def _steps(self) -> Iterator[Metric]:
@@ -252,7 +252,7 @@ class MetricsExporter:
 
     def __init__(
         self,
-        engine: RolloutEngine,
+        engine: Measured,
         recorder: MetricsRecorder,
         *,
         host: str = "127.0.0.1",

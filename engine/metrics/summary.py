@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 from engine.trajectory import Status
 
 if TYPE_CHECKING:
-    from engine.engine import EngineStatistics
     from engine.scheduler.partial import VersionClock
+    from engine.statistics import EngineStatistics
     from engine.trajectory import Group
 
 

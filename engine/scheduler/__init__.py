@@ -2,6 +2,7 @@
 
 from engine.scheduler.partial import VersionClock, mask_offpolicy
 from engine.scheduler.queue import Phase, Policy, PriorityLimiter, SchedulerStatistics
+from engine.scheduler.reference import run_trajectory
 from engine.scheduler.retry import CircuitBreaker, RetryBudget, RetryPolicy
 from engine.scheduler.scheduler import Scheduler
 
@@ -16,4 +17,5 @@ __all__ = [
     "SchedulerStatistics",
     "VersionClock",
     "mask_offpolicy",
+    "run_trajectory",
 ]

@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 _ROOT = Path("/sys/fs/cgroup")
 _V2_CONTROLLERS = ("memory", "pids")
 _V1_CONTROLLERS = ("memory",)
+_CLOSE_WAIT_S = 1.0  # how long a closing group waits for its killed processes to go
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,14 +199,15 @@ class CallGroup:
 
     async def close(self) -> None:
         """Kill what is left and remove the group, once its processes are gone (they are reaped by the
-        sandbox's own first process, or by this one: a few milliseconds after the kill)."""
-        for _ in range(200):
-            self.kill()
-            if not self.pids():
-                break
-            await anyio.sleep(0.005)
-        else:
-            left = self.pids()
+        sandbox's own first process, or by this one: a few milliseconds after the kill). Shielded, with a
+        deadline of its own: a call cancelled while it runs or closes still removes its group."""
+        with anyio.move_on_after(_CLOSE_WAIT_S, shield=True):
+            while True:
+                self.kill()
+                if not self.pids():
+                    break
+                await anyio.sleep(0.005)
+        if left := self.pids():
             log.warning("python sandbox: processes %s outlived their call; group kept: %s", left, self.directories)
             return
         self.remove()
