@@ -139,12 +139,12 @@ def _token_tap(
 
     def forward(token_ids: list[int]) -> None:
         nonlocal is_cut
-        listener = trajectory.token_listener
-        if listener is None or is_cut:
+        if is_cut:
             return
         if forbidden and (cut := next((i for i, t in enumerate(token_ids) if t in forbidden), None)) is not None:
             token_ids, is_cut = token_ids[:cut], True
-        if not token_ids:
+        listener = trajectory.token_listener
+        if listener is None or not token_ids:
             return
         try:
             listener(token_ids)

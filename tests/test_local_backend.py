@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from engine.backends.base import Backend, GenerateResult, SamplingParams
+from engine.backends.base import STREAM_BROKEN, Backend, GenerateResult, SamplingParams
 from engine.backends.local import LocalBackend
 from engine.backends.sampling import sample
 from engine.errors import BackendError, ErrorClass
@@ -547,3 +547,21 @@ async def test_a_listener_that_raises_is_dropped_and_serving_goes_on(backend, ca
     assert (result.finish_reason, len(result.token_ids), len(calls)) == ("length", 5, 1)
     assert (await backend.generate(prompt(6), greedy(3))).finish_reason == "length"
     assert "a token listener raised" in caplog.text
+
+
+@pytest.mark.anyio
+async def test_a_failed_step_ends_a_streamed_request_with_the_tokens_its_listener_got(backend, text_model, monkeypatch):
+    forward, calls = text_model.forward, []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:  # prefill, decode, then this decode fails: two tokens made and handed over
+            raise RuntimeError("boom")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(text_model, "forward", flaky)
+    got: list[int] = []
+    result = await backend.generate(prompt(6, seed=1), greedy(10), on_tokens=got.extend)
+    assert (result.finish_reason, result.token_ids, got) == ("abort", got, result.token_ids) and len(got) == 2
+    assert "RuntimeError: boom" in result.meta[STREAM_BROKEN]
+    assert backend.statistics().num_failed == 1 and backend.statistics().num_aborted == 0

@@ -19,8 +19,8 @@ caller passes `on_tokens` only to a backend that `can_stream`, so a backend with
 before. A listener must be quick (it runs on the loop: hand the tokens to a queue); one that raises is logged
 and dropped by the backend, and the generation goes on.
 
-        if can_stream(backend):
-            result = await backend.generate(prompt_ids, params, on_tokens=lambda ids: queue.send_nowait(ids))
+    if can_stream(backend):
+        result = await backend.generate(prompt_ids, params, on_tokens=lambda ids: queue.send_nowait(ids))
 
 A stream that breaks after some tokens arrived ends as an aborted generation (finish_reason `abort`) holding
 the tokens the listener got, with `meta[STREAM_BROKEN]` saying why, so the caller continues the turn from them

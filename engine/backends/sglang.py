@@ -11,6 +11,12 @@ naming the server, the endpoint and an excerpt of the reply (engine/backends/tra
 An aborted request (`/abort_request`, or `/pause_generation` in mode "abort") is not an error: SGLang answers
 it with HTTP 200 and what was generated so far, finish type "abort".
 
+Streaming: given a token listener (`on_tokens`, engine/backends/base.py), a request goes with `"stream": true` and
+its tokens are handed on chunk by chunk (engine/backends/sglang_stream.py says what SGLang's chunks hold and how
+they are read); without one, the request is exactly the unstreamed one. A stream that breaks after tokens came
+returns them as an aborted generation (`meta[STREAM_BROKEN]` says why); the read timeout then bounds the wait for
+each chunk rather than the whole generation.
+
 Aborts touch this backend's requests only. Every request id sent is `<rid_prefix><serial>-<rid>`, with a
 prefix unique to the backend (`turnstile-<8 hex>-`) and a serial that makes no id a prefix of another.
 SGLang 0.5.23 (`TokenizerManager.abort_request`, managers/tokenizer_manager.py) looks the rid up exactly and,
@@ -41,15 +47,8 @@ import httpx2
 
 from engine.backends.base import GenerateResult, SamplingParams, TokenListener, notify
 from engine.backends.fanout import agreed_version, combined_error, gather, log_failures
-from engine.backends.sglang_format import (
-    THREAD_MIN_BYTES,
-    JSONStrings,
-    body_size,
-    finish_type_of,
-    generate_body,
-    parse_generate_reply,
-)
-from engine.backends.sglang_stream import DONE, ChunkError, EventSplitter, StreamedGeneration
+from engine.backends.sglang_format import THREAD_MIN_BYTES, JSONStrings, body_size, generate_body, parse_generate_reply
+from engine.backends.sglang_stream import read_stream
 from engine.backends.transport import HTTPServer, http_transport
 from engine.backends.workers import list_workers
 from engine.errors import BackendError, ErrorClass
@@ -270,13 +269,8 @@ class SGLangBackend:
     async def _stream(
         self, body: bytes, headers: dict[str, str], check: Callable[[Any, Any], None], on_tokens: TokenListener
     ) -> GenerateResult:
-        """POST /generate streamed: SGLang's server-sent chunks joined (engine/backends/sglang_stream.py), each
-        one's new tokens handed to `on_tokens` once the first chunk passed `check`. A reply that is not a stream
-        (an error status, a server that does not stream) is read whole, its tokens handed over at once. A stream
-        that breaks after tokens arrived (dropped, cut short, a malformed chunk or an error) returns them as an
-        aborted generation saying why in `meta[STREAM_BROKEN]`; before any, it raises the error."""
-        where = "POST /generate"
-        stream = StreamedGeneration()
+        """POST /generate streamed (engine/backends/sglang_stream.py `read_stream`); a reply that is not a stream (an
+        error status, a server that does not stream) is read whole, its tokens handed over at once."""
         async with self._server.stream("POST", "/generate", content=body, headers=headers) as response:
             if not (response.is_success and response.headers.get("content-type", "").startswith("text/event-stream")):
                 await response.aread()
@@ -284,34 +278,7 @@ class SGLangBackend:
                 check(result.prompt_tokens, result.finish_reason)
                 notify(on_tokens, result.token_ids)
                 return result
-            try:
-                events = EventSplitter()
-                async for piece in response.aiter_bytes():
-                    for data in events.feed(piece):
-                        if data != DONE:
-                            is_first = not stream.meta
-                            new = stream.add(data)
-                            if is_first:
-                                check(stream.meta.get("prompt_tokens"), finish_type_of(stream.meta))
-                            on_tokens = notify(on_tokens, new)
-            except httpx2.RequestError as exc:
-                error = self._server.failure(where, exc)
-            except ChunkError as exc:
-                error_class = ErrorClass.SERVER if exc.status >= 500 else ErrorClass.CLIENT
-                error = self._server.error(error_class, where, f"HTTP {exc.status} in the stream", exc.message)
-            except ValueError as exc:
-                error = self._server.error(ErrorClass.MALFORMED, where, str(exc))
-            else:
-                if stream.result is not None:
-                    return stream.result
-                error = self._server.error(ErrorClass.CONNECTION, where, "the stream ended before its last chunk")
-        try:
-            broken = stream.broken(error.message)
-        except ValueError as exc:
-            raise self._server.error(ErrorClass.MALFORMED, where, f"{error.message}; then {exc}") from error
-        if broken is None:
-            raise error
-        return broken
+            return await read_stream(self._server, response, check, on_tokens)
 
     async def abort(self, rid: str | None = None) -> None:
         """POST /abort_request, to each worker, for this backend's request `rid`, or for each of its requests in

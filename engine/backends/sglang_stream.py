@@ -1,6 +1,6 @@
-"""SGLang's streamed `/generate` (`"stream": true`), read as it arrives: its server-sent events split off the bytes
-(`EventSplitter`), and its chunks joined into one GenerateResult while each chunk's new tokens are handed on
-(`StreamedGeneration`).
+"""SGLang's streamed `/generate` (`"stream": true`), read as it arrives (`read_stream`): its server-sent events split
+off the bytes (`EventSplitter`), and its chunks joined into one GenerateResult while each chunk's new tokens are
+handed on (`StreamedGeneration`).
 
 What the stream holds (SGLang 0.5.23: entrypoints/http_server.py `generate_request`, managers/tokenizer_manager.py
 `_handle_batch_output` and `_wait_one_response`): one event `data: <chunk>\\n\\n` per output of the scheduler (every
@@ -29,37 +29,48 @@ handed on must be its first ones. Incremental chunks are small and each is parse
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+import httpx2
 import orjson
 
-from engine.backends.base import STREAM_BROKEN, GenerateResult
+from engine.backends.base import STREAM_BROKEN, GenerateResult, TokenListener, notify
 from engine.backends.sglang_format import finish_type_of, generate_result, output_entries
+from engine.backends.transport import HTTPServer
+from engine.errors import BackendError, ErrorClass
 
 DONE = b"[DONE]"
+WHERE = "POST /generate"
 _OUTPUT_IDS = b'"output_ids":['
 _NOT_FINISHED = b'"finish_reason":null'
 
 
 class EventSplitter:
-    """Server-sent events out of a byte stream: `feed` each piece read, get the data of the events it completed."""
+    """Server-sent events out of a byte stream: `feed` each piece read, get the data of the events it completed.
+    A cumulative chunk can be large, so a piece is searched once and an event's data is copied once."""
 
     def __init__(self) -> None:
         self._buffer = bytearray()
 
     def feed(self, data: bytes) -> list[bytes]:
+        search = max(len(self._buffer) - 1, 0)  # an event's blank line may straddle two pieces
         self._buffer += data
-        end = self._buffer.rfind(b"\n\n")
-        if end < 0:
-            return []
-        complete = bytes(self._buffer[:end])
-        del self._buffer[: end + 2]
-        events = []
-        for block in complete.split(b"\n\n"):
-            lines = [line[5:].removeprefix(b" ") for line in block.split(b"\n") if line.startswith(b"data:")]
-            if lines:
-                events.append(b"\n".join(lines))
+        events, begin = [], 0
+        while (end := self._buffer.find(b"\n\n", search)) >= 0:
+            if (event := _event_data(bytes(self._buffer[begin:end]))) is not None:
+                events.append(event)
+            begin = search = end + 2
+        del self._buffer[:begin]
         return events
+
+
+def _event_data(block: bytes) -> bytes | None:
+    """The data of one event (its `data:` lines joined); None for an event without data (a comment)."""
+    if b"\n" not in block:  # one line, as SGLang sends each chunk
+        return block[5:].removeprefix(b" ") if block.startswith(b"data:") else None
+    lines = [line[5:].removeprefix(b" ") for line in block.split(b"\n") if line.startswith(b"data:")]
+    return b"\n".join(lines) if lines else None
 
 
 class ChunkError(Exception):
@@ -115,14 +126,16 @@ class StreamedGeneration:
         if _NOT_FINISHED not in data or (start := data.find(_OUTPUT_IDS)) < 0:
             return None
         start += len(_OUTPUT_IDS)
-        end = data.find(b"]", start)
-        new = data.count(b",", start, end) + (end > start) - len(self.token_ids)
-        if end < 0 or new < 0:
+        if (end := data.find(b"]", start)) < 0:
             return None
+        new = data.count(b",", start, end) + (end > start) - len(self.token_ids)
+        if new <= 0:
+            return [] if new == 0 else None
         cut = end
         for _ in range(new):  # back over the new ids, to the comma before the first
             cut = data.rfind(b",", start, cut)
-        return orjson.loads(b"[" + data[max(cut + 1, start) : end] + b"]") if new else []
+        ids = orjson.loads(b"[" + data[max(cut + 1, start) : end] + b"]")
+        return ids if all(type(i) is int for i in ids) else None
 
     def _parse(self, chunk: Any) -> list[int]:
         if isinstance(chunk, dict) and isinstance(chunk.get("error"), dict):
@@ -164,3 +177,56 @@ class StreamedGeneration:
         if type(total) is not int or total < len(self.token_ids):
             raise ValueError(f"meta_info.completion_tokens is {total!r}, with {len(self.token_ids)} tokens received")
         return total - len(self.token_ids)
+
+
+async def read_stream(
+    server: HTTPServer, response: httpx2.Response, check: Callable[[Any, Any], None], on_tokens: TokenListener | None
+) -> GenerateResult:
+    """The streamed /generate `response` of `server`, each chunk's new tokens handed to `on_tokens` as it comes (the
+    first chunk's `prompt_tokens` and finish type passed to `check`, which raises to refuse them, before). A stream
+    that breaks after tokens came (dropped, cut short, a malformed chunk, an error) returns them as an aborted
+    generation saying why in `meta[STREAM_BROKEN]`; before any, it raises the BackendError it is."""
+    stream = StreamedGeneration()
+    error = await _read_events(server, response, stream, check, on_tokens)
+    if error is None:
+        assert stream.result is not None
+        return stream.result
+    try:
+        broken = stream.broken(error.message)
+    except ValueError as exc:
+        raise server.error(ErrorClass.MALFORMED, WHERE, f"{error.message}; then {exc}") from error
+    if broken is None:
+        raise error
+    return broken
+
+
+async def _read_events(
+    server: HTTPServer,
+    response: httpx2.Response,
+    stream: StreamedGeneration,
+    check: Callable[[Any, Any], None],
+    on_tokens: TokenListener | None,
+) -> BackendError | None:
+    """Each chunk of `response` into `stream`, its new tokens to `on_tokens`; the error that ended the stream
+    before its last chunk, if one did."""
+    events = EventSplitter()
+    try:
+        async for piece in response.aiter_bytes():
+            for data in events.feed(piece):
+                if data == DONE:
+                    continue
+                is_first = not stream.meta
+                new = stream.add(data)
+                if is_first:
+                    check(stream.meta.get("prompt_tokens"), finish_type_of(stream.meta))
+                on_tokens = notify(on_tokens, new)
+    except httpx2.RequestError as exc:
+        return server.failure(WHERE, exc)
+    except ChunkError as exc:
+        error_class = ErrorClass.SERVER if exc.status >= 500 else ErrorClass.CLIENT
+        return server.error(error_class, WHERE, f"HTTP {exc.status} in the stream", exc.message)
+    except ValueError as exc:
+        return server.error(ErrorClass.MALFORMED, WHERE, str(exc))
+    if stream.result is None:
+        return server.error(ErrorClass.CONNECTION, WHERE, "the stream ended before its last chunk")
+    return None
