@@ -13,8 +13,14 @@ import pytest
 from engine.backends.base import STREAM_BROKEN, GenerateResult, SamplingParams, can_stream
 from engine.backends.sglang import SGLangBackend
 from engine.backends.sglang_stream import EventSplitter, StreamedGeneration
+from engine.encoding import ChatEncoder
+from engine.envs.base import EnvRunner
 from engine.errors import BackendError, ErrorClass
-from tests.fakes import Listener
+from engine.scheduler.retry import CircuitBreaker, RetryPolicy
+from engine.scheduler.scheduler import Scheduler
+from engine.trajectory import Status, Trajectory
+from engine.turn import TurnLimits
+from tests.fakes import Listener, ScriptedEnv
 from tests.sglang_double import Generate, Raw, SGLangDouble
 
 PARAMS = SamplingParams(max_new_tokens=64)
@@ -292,3 +298,27 @@ def test_a_break_after_a_skimmed_chunk_reads_its_logprobs_then():
     assert (broken.token_ids, broken.logprobs, broken.finish_reason) == ([1, 2, 3], [-0.5] * 3, "abort")
     assert broken.meta[STREAM_BROKEN] == "the server went away" and broken.weight_version == "v2"
     assert StreamedGeneration().broken("nothing came") is None
+
+
+# -- through the scheduler --------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+@MODES
+async def test_a_turn_whose_stream_broke_goes_on_from_its_tokens_and_streams_each_once(server, backend, tokenizer):
+    encoder = ChatEncoder(tokenizer)
+    end = encoder.end_of_turn_id
+    server.script(Generate(token_ids=[11, 12, 13, 14], stream_break_after=3), Generate(token_ids=[21, 22, end]))
+    scheduler = Scheduler(
+        backend=backend, encoder=encoder, sampling=SamplingParams(max_new_tokens=32, stop_token_ids=(end,)),
+        limits=TurnLimits(max_turns=2), retry=RetryPolicy(backoff_base_s=0.0, env_step_timeout_s=None),
+        breaker=CircuitBreaker(), max_generating=1, max_env_steps=1, end_on_abort=True,
+    )  # fmt: skip
+    trajectory, listener = Trajectory(prompt=[{"role": "user", "content": "Count."}]), Listener()
+    trajectory.token_listener = listener
+    await scheduler.drive(trajectory, lambda: EnvRunner(ScriptedEnv([{"role": "user", "content": "done"}])))
+    assert trajectory.status is Status.COMPLETED and len(trajectory.turns) == 1
+    assert listener.tokens == trajectory.generated_ids(trajectory.turns[0]).tolist() == [11, 12, 13, 21, 22, end]
+    assert scheduler.statistics().retries == {ErrorClass.SERVER: 1}
+    first, second = (r.body for r in server.requests_to("/generate"))
+    assert second["input_ids"] == [*first["input_ids"], 11, 12, 13]
