@@ -39,4 +39,5 @@ bench: $(INSTALLED)
 	$(VENV)/bin/python -m benchmarks.bridge_overhead --out reports/bridge_overhead.json
 	$(VENV)/bin/python -m benchmarks.longtail --size large --out reports/longtail
 	$(VENV)/bin/python -m benchmarks.hung_env --out reports/hung_env.json
+	$(VENV)/bin/python -m benchmarks.stream_latency --out reports/stream_latency.json
 	$(VENV)/bin/python -m benchmarks.sandbox --out reports/sandbox.json

@@ -17,6 +17,14 @@ The model (longtail_model.TurnModel) makes every policy see the same work: a tur
 depend on the conversation up to the turn's start only, and an aborted turn resumed later continues
 the same stream. Text is a placeholder; clients decode `output_ids` themselves.
 
+Streaming: a /generate request with `"stream": true` is answered as SGLang streams it (engine/backends/sglang_stream.py
+says what the chunks hold): a chunk each time the request's output grows, paced as its tokens are made (the one
+server: each step; many servers: each token's due time at the current pace), cumulative or, with
+`incremental_streaming_output` (SGLang's `--incremental-streaming-output`), only what is new (and no text), the last
+one holding the finish reason, then `data: [DONE]`. Each chunk's meta_info has `first_chunk_at`: the
+`time.monotonic()` (this machine's clock) at which the first chunk was sent, so a client can measure its delay. An
+injected error is answered before any chunk; a streamed reply is never malformed.
+
 Endpoints: POST /generate, /abort_request, /pause_generation, /continue_generation,
 /update_weights_from_disk; GET /model_info, /health, /health_generate, /server_info (and the deprecated
 /get_model_info, /get_server_info, which sglang-router reads when a worker registers); and for
@@ -95,6 +103,7 @@ class SimConfig:
     # many servers in one process (see "Many servers" in the module docstring); 0: the one server above
     kv_tokens: int = 0  # each server's KV-cache capacity in tokens: running requests' and cached prefixes'
     servers: int = 1
+    incremental_streaming_output: bool = False  # streamed chunks hold only what is new, as with SGLang's flag
 
 
 FAULT_KEYS = ("error_rate", "malformed_rate", "error_status", "fault_seed")
@@ -121,6 +130,42 @@ class Faults:
 
     def counts(self) -> dict[str, int]:
         return {"server_error": self.injected_errors, "malformed": self.injected_malformed}
+
+
+class ChunkStream:
+    """A streamed /generate reply in SGLang's format (see the module docstring): `send` each reply-shaped output
+    so far (finish_reason None while it runs), then `end`."""
+
+    def __init__(self, response: web.StreamResponse, incremental: bool):
+        self.response, self.incremental = response, incremental
+        self.sent = 0  # tokens sent
+        self.first_at: float | None = None
+
+    @classmethod
+    async def open(cls, http: web.Request, incremental: bool) -> ChunkStream:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+        await response.prepare(http)
+        return cls(response, incremental)
+
+    async def send(self, reply: dict[str, Any]) -> None:
+        """A chunk of `reply`, unless it holds nothing new and does not end the stream."""
+        tokens, meta = reply["output_ids"], reply["meta_info"]
+        if len(tokens) == self.sent and meta["finish_reason"] is None:
+            return
+        if self.incremental:
+            entries = meta["output_token_logprobs"][self.sent :]
+            meta = {**meta, "output_token_logprobs": entries}
+            reply = {**reply, "text": "", "output_ids": tokens[self.sent :], "meta_info": meta}
+        if self.first_at is None:
+            self.first_at = time.monotonic()
+        reply["meta_info"] = {**reply["meta_info"], "first_chunk_at": self.first_at}
+        await self.response.write(b"data: " + orjson.dumps(reply) + b"\n\n")
+        self.sent = len(tokens)
+
+    async def end(self) -> web.StreamResponse:
+        await self.response.write(b"data: [DONE]\n\n")
+        await self.response.write_eof()
+        return self.response
 
 
 class SimServer:
@@ -179,6 +224,8 @@ class SimServer:
             still = []
             for request in self.running:
                 request.new += 1
+                if request.advanced is not None:
+                    request.advanced.set()
                 if (reason := request.finish_reason()) is not None:
                     self._finish(request, reason)
                 else:
@@ -220,6 +267,13 @@ class SimServer:
                 self.model.release(request.stream)
         if request.future.done():
             return
+        request.future.set_result(self.reply(request, reason))
+        if request.advanced is not None:
+            request.advanced.set()
+
+    def reply(self, request: Request, reason: dict[str, Any] | None) -> dict[str, Any]:
+        """A /generate reply of what `request` has generated (a streamed chunk of it, while `reason` is None)."""
+        tokens, logprobs = request.output()
         meta = {
             "id": request.rid,
             "finish_reason": reason,
@@ -230,8 +284,7 @@ class SimServer:
             "output_token_logprobs": [[lp, t, None] for lp, t in zip(logprobs, tokens, strict=True)],
             "e2e_latency": time.monotonic() - request.created,
         }
-        text = f"<{len(tokens)} simulated tokens>"
-        request.future.set_result({"text": text, "output_ids": tokens, "meta_info": meta})
+        return {"text": f"<{len(tokens)} simulated tokens>", "output_ids": tokens, "meta_info": meta}
 
     def abort(self, matches) -> int:
         self._integrate()
@@ -267,20 +320,35 @@ class SimServer:
         rid = str(body.get("rid") or uuid.uuid4().hex)
         request = Request(rid, input_ids, max_new_tokens, stream, offset, asyncio.get_running_loop().create_future())
         self.stats.num_requests += 1
+        if body.get("stream"):
+            request.advanced = asyncio.Event()
         if max_new_tokens < 1:
             self._finish(request, {"type": "length", "length": 0})
         else:
             self.waiting.append(request)
             self.wake()
         try:
+            if body.get("stream"):
+                return await self._stream(http, request)
             reply = await request.future
-        except asyncio.CancelledError:  # the client went away
+        except (asyncio.CancelledError, ConnectionError):  # the client went away
             self.abort(lambda r: r is request)
             raise
         if malformed and reply["meta_info"]["finish_reason"]["type"] != "abort":
             self.faults.injected_malformed += 1
             return self._malformed(reply)
         return web.json_response(reply)
+
+    async def _stream(self, http: web.Request, request: Request) -> web.StreamResponse:
+        """`request`'s reply streamed: a chunk after each step that gave it a token, the reply itself last."""
+        stream = await ChunkStream.open(http, self.config.incremental_streaming_output)
+        while not request.future.done():
+            await request.advanced.wait()
+            request.advanced.clear()
+            if not request.future.done():
+                await stream.send(self.reply(request, None))
+        await stream.send(request.future.result())
+        return await stream.end()
 
     def _malformed(self, reply: dict[str, Any]) -> web.Response:
         """A 200 reply that is not a generate reply, of a kind drawn from the fault generator."""
@@ -621,12 +689,13 @@ class CachedServer:
         if not job.future.done():
             job.future.set_result(self._reply(job, num_generated, reason))
 
-    def _reply(self, job: Job, n: int, reason: dict[str, Any]) -> dict[str, Any]:
+    def _reply(self, job: Job, n: int, reason: dict[str, Any] | None) -> dict[str, Any]:
         window = slice(job.offset, job.offset + n)
         tokens, logprobs = job.stream.tokens[window].tolist(), job.stream.logprobs[window].tolist()
-        if reason["type"] == "length":
+        kind = None if reason is None else reason["type"]  # None: a streamed chunk, the request still running
+        if kind == "length":
             reason = {"type": "length", "length": n}
-        elif reason["type"] == "stop":
+        elif kind == "stop":
             reason = {"type": "stop", "matched": IM_END}
         meta = {
             "id": job.rid, "finish_reason": reason, "prompt_tokens": len(job.input_ids), "completion_tokens": n,
@@ -636,8 +705,24 @@ class CachedServer:
         }  # fmt: skip
         return {"text": f"<{n} simulated tokens>", "output_ids": tokens, "meta_info": meta}
 
+    def num_made(self, job: Job) -> int:
+        """Tokens `job` has made by now."""
+        if not job.is_running:
+            return 0
+        return min(int(self.progress() - job.started_v + 1e-6), job.num_tokens)
+
+    def progress_reply(self, job: Job) -> dict[str, Any]:
+        """A streamed chunk of what `job` has made by now."""
+        return self._reply(job, self.num_made(job), None)
+
+    def next_token_in(self, job: Job) -> float:
+        """Seconds until `job`'s next token at the pace of now (which changes as requests come and go)."""
+        now = time.monotonic()
+        made = self.progress() - job.started_v if job.is_running else 0.0
+        return max(self._stall_until - now, 0.0) + (math.floor(made + 1e-6) + 1 - made) * self._step_seconds()
+
     # -- requests ----------------------------------------------------------------------------------------------
-    def submit(self, rid: str, input_ids: list[int], max_new_tokens: int) -> asyncio.Future:
+    def submit(self, rid: str, input_ids: list[int], max_new_tokens: int) -> Job:
         stream, offset = self.model.open_turn(input_ids)
         remaining = len(stream.tokens) - offset
         num_tokens = max(0, min(max_new_tokens, remaining))
@@ -651,7 +736,7 @@ class CachedServer:
             self._advance(time.monotonic())
             self.waiting.append(job)
             self._settle()
-        return future
+        return job
 
     def abort(self, matches) -> int:
         self._advance(time.monotonic())
@@ -740,13 +825,25 @@ class Fleet:
         except (ValueError, KeyError, TypeError) as exc:
             return web.json_response({"object": "error", "message": f"bad request: {exc!r}", "code": 400}, status=400)
         rid = str(body.get("rid") or uuid.uuid4().hex)
-        future = server.submit(rid, input_ids, max_new_tokens)
+        job = server.submit(rid, input_ids, max_new_tokens)
         try:
-            reply = await future
-        except asyncio.CancelledError:  # the client went away
-            server.abort(lambda job: job.future is future)
+            if body.get("stream"):
+                return await self._stream(http, server, job)
+            reply = await job.future
+        except (asyncio.CancelledError, ConnectionError):  # the client went away
+            server.abort(lambda running: running is job)
             raise
         return web.Response(body=orjson.dumps(reply), content_type="application/json")
+
+    async def _stream(self, http: web.Request, server: CachedServer, job: Job) -> web.StreamResponse:
+        """`job`'s reply streamed: a chunk at each token's due time, the reply itself last."""
+        stream = await ChunkStream.open(http, self.config.incremental_streaming_output)
+        while not job.future.done():
+            await asyncio.wait([job.future], timeout=server.next_token_in(job))
+            if not job.future.done():
+                await stream.send(server.progress_reply(job))
+        await stream.send(job.future.result())
+        return await stream.end()
 
     async def abort_request(self, http: web.Request) -> web.Response:
         server, body = self._server(http), await _body(http)

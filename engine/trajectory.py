@@ -148,7 +148,6 @@ class Trajectory:
     errors: list[ErrorRecord] = field(default_factory=list)
     turn_cap: int | None = None  # a tighter cap on the next turns' tokens than the sampling's (an agent's max_tokens)
     turn_stop: tuple[str, ...] = ()  # stop strings of the next turns beside the sampling's (an agent's `stop`)
-    token_listener: Callable[[list[int]], None] | None = field(default=None, repr=False)  # fed as tokens are made
     group_id: int = 0
     index: int = 0
     reward: float | dict[str, float] | None = None
@@ -157,6 +156,11 @@ class Trajectory:
     session_id: str = field(default_factory=lambda: uuid.uuid4().hex)  # routes every turn to one server
     sample: Any = None  # what the consumer made of it once ended (the bridge's slime Sample)
     forks: list[Trajectory] = field(default_factory=list)  # chains its agent's session forked off it (engine/agents)
+    # Called with each run of the model's new tokens as they are generated, when the backend streams (see
+    # engine/backends/base.py): a gateway sets it while a request waits for its turn and clears it after. Read at
+    # every run, so setting or clearing it takes effect at once; one that raises is cleared (engine/turn.py). Never
+    # in a record.
+    token_listener: Callable[[list[int]], None] | None = field(default=None, repr=False)
 
     # -- building ---------------------------------------------------------------------------------
     def set_prompt(self, token_ids: Sequence[int]) -> None:

@@ -15,17 +15,21 @@ token (mask 0) and the env still answers it.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from engine.backends.base import Backend, GenerateResult, SamplingParams
+from engine.backends.base import Backend, GenerateResult, SamplingParams, TokenListener, can_stream
 from engine.encoding import ChatEncoder
 from engine.envs.base import EnvRunner, StepResult
 from engine.errors import ObservationError, PromptError, ResponseError, TurnError
 from engine.parsers import use_parser
 from engine.trajectory import STOP_OF_STAGE, StopReason, Trajectory, Turn
+
+log = logging.getLogger(__name__)
 
 SPEC_KEYS = ("spec_accept_token_num", "spec_draft_token_num", "spec_verify_ct", "completion_tokens")
 
@@ -65,6 +69,7 @@ async def generate_turn(
     *,
     rid: str | None = None,
     encoder: ChatEncoder | None = None,
+    on_listener_error: Callable[[Exception], None] | None = None,
 ) -> GenerateResult:
     """Step 2: one generation request, its tokens appended with loss mask 1.
 
@@ -72,7 +77,12 @@ async def generate_turn(
     `max_new_tokens` (or the trajectory's tighter `turn_cap`), not started anew: partial rollout resumes
     trajectories mid-turn. With `encoder`,
     a token only its VLM processor writes (`ChatEncoder.vision_token_ids`: an early policy samples one
-    now and then) is a BAD_RESPONSE: the turn keeps the tokens before it, and its trajectory ends."""
+    now and then) is a BAD_RESPONSE: the turn keeps the tokens before it, and its trajectory ends.
+
+    With the trajectory's `token_listener` set and a backend that streams, the listener gets the new tokens as
+    they are generated (`_token_tap`): a continued turn streams only its new tokens, and a cut turn none past the
+    cut. A listener that raises is cleared from the trajectory and reported to `on_listener_error`; the turn goes
+    on."""
     turn = _open_turn(trajectory)
     cap = sampling.max_new_tokens if trajectory.turn_cap is None else min(sampling.max_new_tokens, trajectory.turn_cap)
     left = min(cap - turn.num_generated, limits.remaining(trajectory))
@@ -81,6 +91,10 @@ async def generate_turn(
     params = sampling if left == sampling.max_new_tokens else replace(sampling, max_new_tokens=left)
     if trajectory.turn_stop:
         params = replace(params, stop=tuple(dict.fromkeys((*params.stop, *trajectory.turn_stop))))
+    forbidden = encoder.vision_token_ids if encoder is not None else frozenset()
+    streaming = {}
+    if trajectory.token_listener is not None and can_stream(backend):
+        streaming["on_tokens"] = _token_tap(trajectory, forbidden, on_listener_error)
     started = time.monotonic()
     result = await backend.generate(
         trajectory.tokens.tolist(),
@@ -88,9 +102,9 @@ async def generate_turn(
         trajectory.image_data or None,
         rid=rid or uuid.uuid4().hex,
         session_id=trajectory.session_id,
+        **streaming,
     )
     turn.generate_seconds += time.monotonic() - started
-    forbidden = encoder.vision_token_ids if encoder is not None else frozenset()
     cut = next((i for i, token in enumerate(result.token_ids) if token in forbidden), None) if forbidden else None
     if cut is not None:  # sent back, the turn's tokens would not match the images
         sampled = result.token_ids[cut]
@@ -115,6 +129,35 @@ async def generate_turn(
     if cut is not None:
         raise error
     return result
+
+
+def _token_tap(
+    trajectory: Trajectory, forbidden: frozenset[int], on_error: Callable[[Exception], None] | None
+) -> TokenListener:
+    """The backend's listener for one generate call: each run of new tokens to the trajectory's `token_listener`
+    (read at every run), up to the first `forbidden` token, where `generate_turn` cuts the turn. A listener that
+    raises is cleared from the trajectory, logged, and reported to `on_error`."""
+    is_cut = False
+
+    def forward(token_ids: list[int]) -> None:
+        nonlocal is_cut
+        if is_cut:
+            return
+        if forbidden and (cut := next((i for i, t in enumerate(token_ids) if t in forbidden), None)) is not None:
+            token_ids, is_cut = token_ids[:cut], True
+        listener = trajectory.token_listener
+        if listener is None or not token_ids:
+            return
+        try:
+            listener(token_ids)
+        except Exception as exc:  # noqa: BLE001 -- the listener's failure is its own, never the trajectory's
+            if trajectory.token_listener is listener:
+                trajectory.token_listener = None
+            log.warning("trajectory %d: its token listener raised and was cleared", trajectory.id, exc_info=exc)
+            if on_error is not None:
+                on_error(exc)
+
+    return forward
 
 
 def _open_turn(trajectory: Trajectory) -> Turn:

@@ -6,7 +6,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.backends.base import GenerateResult, SamplingParams
+import anyio
+
+from engine.backends.base import GenerateResult, SamplingParams, TokenListener, notify
 from engine.envs.base import BaseInteractionEnv
 from engine.errors import BackendError, ErrorClass
 
@@ -18,17 +20,54 @@ class Request:
     image_data: list[str] | None
     rid: str | None
     session_id: str | None = None
+    is_streamed: bool = False  # given a token listener
+
+
+async def stream_tokens(token_ids: Sequence[int], on_tokens: TokenListener | None) -> None:
+    """Hand `token_ids` to `on_tokens` one at a time, yielding to the event loop between two, as a streaming
+    server's chunks arrive."""
+    for token in token_ids:
+        on_tokens = notify(on_tokens, [token])
+        await anyio.lowlevel.checkpoint()
+
+
+class Listener:
+    """A token listener that records each call; `reached(n)` is set once n tokens came."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[int]] = []
+        self._waits: dict[int, anyio.Event] = {}
+
+    def __call__(self, token_ids: list[int]) -> None:
+        self.calls.append(list(token_ids))
+        for n, event in self._waits.items():
+            if len(self.tokens) >= n:
+                event.set()
+
+    @property
+    def tokens(self) -> list[int]:
+        return [t for call in self.calls for t in call]
+
+    def reached(self, n: int) -> anyio.Event:
+        return self._waits.setdefault(n, anyio.Event())
 
 
 class ScriptedBackend:
-    """Answers each generate call with the next scripted token list (or raises the next scripted error).
+    """Answers each generate call with the next scripted token list, or GenerateResult (returned as it is), or
+    raises the next scripted error. It streams: given a listener, the reply's tokens go to it one at a time.
 
-    A reply is truncated to the request's max_new_tokens, as a real server would; finish_reason is
+    A token list is truncated to the request's max_new_tokens, as a real server would; finish_reason is
     "stop" when the reply ends with one of the request's stop tokens, else "length".
     """
 
+    streams = True
+
     def __init__(
-        self, replies: Sequence[Sequence[int] | Exception], *, logprob: float = -0.5, weight_version: str = "v0"
+        self,
+        replies: Sequence[Sequence[int] | GenerateResult | Exception],
+        *,
+        logprob: float = -0.5,
+        weight_version: str = "v0",
     ):
         self.replies = list(replies)
         self.logprob = logprob
@@ -36,25 +75,28 @@ class ScriptedBackend:
         self.requests: list[Request] = []
 
     async def generate(
-        self, input_ids, sampling_params, image_data=None, *, rid=None, session_id=None
+        self, input_ids, sampling_params, image_data=None, *, rid=None, session_id=None, on_tokens=None
     ) -> GenerateResult:
         images = None if image_data is None else list(image_data)
-        self.requests.append(Request(list(input_ids), sampling_params, images, rid, session_id))
+        self.requests.append(Request(list(input_ids), sampling_params, images, rid, session_id, on_tokens is not None))
         if not self.replies:
             raise BackendError(ErrorClass.MALFORMED, "scripted backend: no reply left")
         reply = self.replies.pop(0)
         if isinstance(reply, Exception):
             raise reply
-        ids = list(reply)[: sampling_params.max_new_tokens]
-        stopped = bool(ids) and ids[-1] in sampling_params.stop_token_ids
-        return GenerateResult(
-            token_ids=ids,
-            logprobs=[self.logprob] * len(ids),
-            text="",
-            finish_reason="stop" if stopped else "length",
-            weight_version=self.weight_version_,
-            prompt_tokens=len(input_ids),
-        )
+        if not isinstance(reply, GenerateResult):
+            ids = list(reply)[: sampling_params.max_new_tokens]
+            stopped = bool(ids) and ids[-1] in sampling_params.stop_token_ids
+            reply = GenerateResult(
+                token_ids=ids,
+                logprobs=[self.logprob] * len(ids),
+                text="",
+                finish_reason="stop" if stopped else "length",
+                weight_version=self.weight_version_,
+                prompt_tokens=len(input_ids),
+            )
+        await stream_tokens(reply.token_ids, on_tokens)
+        return reply
 
     async def abort(self, rid=None) -> None: ...
     async def pause(self) -> None: ...
@@ -106,14 +148,18 @@ class DeterministicBackend:
     resumed later continues exactly as it would have, and any two runs agree.
 
     Each token yields to the event loop, so requests interleave and can be aborted mid-generation
-    (they return what they have, finish reason "abort"). `stop_every` sets the mean turn length:
+    (they return what they have, finish reason "abort"); given a listener, each token goes to it as it is
+    made (`num_produced` counts the tokens made so far, over all calls). `stop_every` sets the mean turn length:
     the stop token (the request's first stop id) comes when a prefix hash hits 0 mod `stop_every`.
     `failures` maps an attempt number (1-based, over all generate calls) to an error raised instead.
     """
 
+    streams = True
+
     def __init__(
         self, *, stop_every: int = 6, weight_version: str = "v0", failures: dict[int, Exception] | None = None
     ):
+        self.num_produced = 0
         self.stop_every = stop_every
         self.version = weight_version
         self.failures = dict(failures or {})
@@ -123,10 +169,8 @@ class DeterministicBackend:
         self.session_ids: list[str | None] = []  # of each generate call
 
     async def generate(
-        self, input_ids, sampling_params, image_data=None, *, rid=None, session_id=None
+        self, input_ids, sampling_params, image_data=None, *, rid=None, session_id=None, on_tokens=None
     ) -> GenerateResult:
-        import anyio
-
         self.num_calls += 1
         self.session_ids.append(session_id)
         if (error := self.failures.pop(self.num_calls, None)) is not None:
@@ -149,6 +193,8 @@ class DeterministicBackend:
                     break
                 token = stop if stop is not None and state % self.stop_every == 0 else 1000 + state % 5000
                 ids.append(token)
+                self.num_produced += 1
+                on_tokens = notify(on_tokens, [token])
                 state = hash((state, token))
                 if token == stop:
                     finish = "stop"

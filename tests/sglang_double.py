@@ -28,7 +28,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -44,6 +44,11 @@ class Generate:
     finish type "abort".
     `drop` removes dotted paths from the reply ("meta_info.prompt_tokens"); `output_ids` overrides the
     top-level output_ids (to make lengths disagree); `status` sends the reply with another HTTP status.
+
+    A request with `"stream": true` is answered as SGLang streams (see `SGLangDouble.stream_events`), a chunk
+    every `chunk_tokens` tokens (a status other than 200 is answered whole, as SGLang refuses before streaming).
+    `stream_hold_after` tokens streamed, it holds until aborted, then ends with finish type "abort" and those
+    tokens (`hold=True` holds before the first); `stream_break_after` tokens streamed, it drops the connection.
     """
 
     token_ids: Sequence[int] | None = None
@@ -58,6 +63,9 @@ class Generate:
     drop: tuple[str, ...] = ()
     output_ids: Sequence[int] | None = None
     prompt_tokens: int | None = None  # default: len(input_ids); SGLang counts images expanded
+    chunk_tokens: int = 1
+    stream_hold_after: int | None = None
+    stream_break_after: int | None = None
 
 
 @dataclass(frozen=True)
@@ -95,10 +103,12 @@ class _Held:
 
 
 class SGLangDouble:
-    """The server; start and stop it with `with`. Attributes tests may set: `healthy`, `weight_version`."""
+    """The server; start and stop it with `with`. Attributes tests may set: `healthy`, `weight_version`,
+    `incremental_stream` (streamed chunks hold only what is new, as with SGLang's `--incremental-streaming-output`)."""
 
-    def __init__(self, weight_version: str = "default"):
+    def __init__(self, weight_version: str = "default", *, incremental_stream: bool = False):
         self.weight_version: str | None = weight_version
+        self.incremental_stream = incremental_stream
         self.healthy = True
         self.paused_mode: str | None = None
         self.health_checked = threading.Event()  # set on every /health request
@@ -212,18 +222,74 @@ class SGLangDouble:
             self._stopping.wait(spec.delay_s)
         if spec.hold:
             self._hold(request.get("rid"))
+        tokens, logprobs = self._output(spec, request)
+        return spec.status, self._reply(spec, request, tokens, logprobs, "abort" if spec.hold else spec.finish, started)
+
+    def stream_events(self, spec: Generate, request: dict[str, Any]) -> Iterator[bytes | None]:
+        """Run `spec` for a streamed `request`: SGLang's server-sent events, each `data: <chunk>\n\n`, cumulative
+        (or incremental with `incremental_stream`), the last with the finish reason, then `data: [DONE]\n\n`;
+        None where the connection is to be dropped."""
+        started = time.monotonic()
+        if spec.delay_s:
+            self._stopping.wait(spec.delay_s)
+        tokens, logprobs = self._output(spec, request)
+        hold_after = 0 if spec.hold else spec.stream_hold_after
+        last = min(n for n in (len(tokens), hold_after, spec.stream_break_after) if n is not None)
+        sent = 0
+        while sent < last:
+            end = min(sent + spec.chunk_tokens, last)
+            yield _event(self._reply(spec, request, tokens[:end], logprobs[:end], None, started, sent))
+            sent = end
+        if spec.stream_break_after is not None and spec.stream_break_after <= sent:
+            yield None
+            return
+        finish = spec.finish
+        if hold_after is not None:
+            self._hold(request.get("rid"))
+            tokens, logprobs, finish = tokens[:sent], logprobs[:sent], "abort"
+        yield _event(self._reply(spec, request, tokens, logprobs, finish, started, sent))
+        yield b"data: [DONE]\n\n"
+
+    def _output(self, spec: Generate, request: dict[str, Any]) -> tuple[list[int], list[float]]:
         input_ids = list(request.get("input_ids") or [])
         max_new = (request.get("sampling_params") or {}).get("max_new_tokens", len(input_ids))
         tokens = list(input_ids[:max_new] if spec.token_ids is None else spec.token_ids)
         logprobs = list(spec.logprobs if spec.logprobs is not None else [-0.1 * (i + 1) for i in range(len(tokens))])
-        finish_type = "abort" if spec.hold else spec.finish
-        finish: dict[str, Any] = {"type": finish_type}
+        return tokens, logprobs
+
+    def _text(self, spec: Generate, request: dict[str, Any], num_tokens: int) -> str:
+        """The text of the first `num_tokens` tokens: their ids, or as much of `spec.text` as they are of the
+        reply."""
+        tokens, _ = self._output(spec, request)
+        if spec.text is None:
+            return " ".join(map(str, tokens[:num_tokens]))
+        return spec.text[: len(spec.text) * num_tokens // max(len(tokens), 1)]
+
+    def _reply(
+        self,
+        spec: Generate,
+        request: dict[str, Any],
+        tokens: list[int],
+        logprobs: list[float],
+        finish_type: str | None,
+        started: float,
+        sent: int | None = None,
+    ) -> dict[str, Any]:
+        """SGLang's reply with the output `tokens`, or a streamed chunk of it (`sent` tokens streamed before: an
+        incremental chunk holds the rest only; `finish_type` None while the stream goes on)."""
+        finish: dict[str, Any] | None = None if finish_type is None else {"type": finish_type}
         if finish_type == "stop":
             finish["matched"] = tokens[-1] if tokens else None
         elif finish_type == "length":
             finish["length"] = len(tokens)
         elif finish_type == "abort":
             finish.update(message="Aborted", status_code=None, err_type=None)
+        text = self._text(spec, request, len(tokens))
+        output_ids = list(spec.output_ids) if spec.output_ids is not None else tokens
+        entries = [[lp, t, None] for lp, t in zip(logprobs, tokens, strict=False)]
+        if sent is not None and self.incremental_stream:
+            text, output_ids, entries = text[len(self._text(spec, request, sent)) :], output_ids[sent:], entries[sent:]
+        input_ids = list(request.get("input_ids") or [])
         meta: dict[str, Any] = {
             "id": request.get("rid") or uuid.uuid4().hex,
             "finish_reason": finish,
@@ -235,19 +301,15 @@ class SGLangDouble:
         }
         if request.get("return_logprob"):
             meta["input_token_logprobs"] = []
-            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(logprobs, tokens, strict=False)]
-        reply = {
-            "text": spec.text if spec.text is not None else " ".join(map(str, tokens)),
-            "output_ids": list(spec.output_ids) if spec.output_ids is not None else tokens,
-            "meta_info": meta,
-        }
+            meta["output_token_logprobs"] = entries
+        reply = {"text": text, "output_ids": output_ids, "meta_info": meta}
         for path in spec.drop:
             *parents, last = path.split(".")
             node = reply
             for key in parents:
                 node = node[key]
             node.pop(last, None)
-        return spec.status, reply
+        return reply
 
     def control_reply(self, method: str, path: str, body: Any) -> tuple[int, Any]:
         """The reply of every endpoint but /generate."""
@@ -285,6 +347,10 @@ class SGLangDouble:
         return 404, error_body(404, "Not Found")  # what SGLang answers for a route it does not have
 
 
+def _event(chunk: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
+
+
 class _Server(ThreadingHTTPServer):
     request_queue_size = 1024  # the stdlib's 5 resets concurrent connects; uvicorn listens with 2048
 
@@ -320,8 +386,12 @@ class _Handler(BaseHTTPRequestHandler):
 
         if (method, self.path) == ("POST", "/generate"):
             spec = self.double._next_generate()
+            request = body if isinstance(body, dict) else {}
+            if isinstance(spec, Generate) and request.get("stream") and spec.status == 200:
+                self._send_stream(self.double.stream_events(spec, request))
+                return
             if isinstance(spec, Generate):
-                status, reply = self.double.generate_reply(spec, body if isinstance(body, dict) else {})
+                status, reply = self.double.generate_reply(spec, request)
                 self._send(status, reply)
                 return
         else:
@@ -334,6 +404,26 @@ class _Handler(BaseHTTPRequestHandler):
             self.connection.shutdown(socket.SHUT_RDWR)
             return
         self._send(spec.status, spec.body, spec.content_type)
+
+    def _send_stream(self, events: Iterator[bytes | None]) -> None:
+        """A 200 reply of server-sent `events` in chunked encoding, as uvicorn sends a streaming response; at a
+        None the connection is dropped."""
+        try:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream; charset=utf-8")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for event in events:
+                if event is None:
+                    self.wfile.flush()
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(event), event))
+                self.wfile.flush()
+            self.wfile.write(b"0\r\n\r\n")
+        except OSError:  # the client went away
+            self.close_connection = True
 
     def _send(self, status: int, body: Any, content_type: str = "application/json") -> None:
         if isinstance(body, str):

@@ -161,3 +161,16 @@ async def test_health_is_any_server_and_a_tied_version_is_the_first():
     assert await BackendPool([DeterministicBackend(weight_version="v7"), Down()]).weight_version() == "v7"
     with pytest.raises(ValueError, match="at least one backend"):
         BackendPool([])
+
+
+@pytest.mark.anyio
+async def test_a_listener_goes_to_the_server_picked_and_the_pool_streams_when_all_its_servers_do():
+    class Unstreamed(DeterministicBackend):
+        streams = False
+
+    servers = [DeterministicBackend(stop_every=10_000), DeterministicBackend(stop_every=10_000)]
+    pool, got = BackendPool(servers), []
+    assert pool.streams and not BackendPool([servers[0], Unstreamed()]).streams
+    result = await pool.generate([1, 2], LONG, rid="r", session_id="s", on_tokens=got.extend)
+    assert got == result.token_ids and len(got) == 50
+    assert sum(s.num_produced for s in servers) == 50

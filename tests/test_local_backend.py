@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from engine.backends.base import Backend, GenerateResult, SamplingParams
+from engine.backends.base import STREAM_BROKEN, Backend, GenerateResult, SamplingParams
 from engine.backends.local import LocalBackend
 from engine.backends.sampling import sample
 from engine.errors import BackendError, ErrorClass
@@ -478,3 +478,90 @@ async def test_images_are_processed_once_across_turns_and_model_steps_run_off_th
     assert processed and all(thread != loop_thread for thread, _ in processed)
     assert [count for _, count in processed] == [1, 1, 1]  # one image each: the first, the second, the third
     assert steps and loop_thread not in steps
+
+
+# -- streaming ------------------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_each_request_streams_its_tokens_as_each_step_makes_them(backend):
+    """Two requests batched together: each listener gets its own tokens, one per step, the first while the
+    backend has made one token of that request (of many to come), and all before the result."""
+    calls: dict[int, list[list[int]]] = {0: [], 1: []}
+    made_at_first_call: dict[int, int] = {}
+
+    def listener(i: int):
+        def on_tokens(token_ids: list[int]) -> None:
+            if not calls[i]:
+                made_at_first_call[i] = backend.statistics().num_generated_tokens
+            calls[i].append(token_ids)
+
+        return on_tokens
+
+    results: list[GenerateResult | None] = [None, None]
+
+    async def one(i: int) -> None:
+        results[i] = await backend.generate(prompt(8, seed=i), greedy(12), on_tokens=listener(i))
+
+    async with anyio.create_task_group() as task_group:
+        for i in range(2):
+            task_group.start_soon(one, i)
+    for i in range(2):
+        assert [t for call in calls[i] for t in call] == results[i].token_ids and len(results[i].token_ids) == 12
+        assert all(len(call) == 1 for call in calls[i])
+        assert made_at_first_call[i] <= 2  # the first step's tokens: the two requests' first ones
+    assert LocalBackend.streams
+
+
+@pytest.mark.anyio
+async def test_an_aborted_stream_ends_with_the_tokens_its_listener_got(backend):
+    got: list[int] = []
+    third = anyio.Event()
+
+    def on_tokens(token_ids: list[int]) -> None:
+        got.extend(token_ids)
+        if len(got) >= 3:
+            third.set()
+
+    results = []
+
+    async def run() -> None:
+        results.append(await backend.generate(prompt(10, seed=3), greedy(10_000), rid="long", on_tokens=on_tokens))
+
+    async with anyio.create_task_group() as task_group:
+        task_group.start_soon(run)
+        await third.wait()
+        await backend.abort("long")
+    assert results[0].finish_reason == "abort" and got == results[0].token_ids and len(got) < 10_000
+
+
+@pytest.mark.anyio
+async def test_a_listener_that_raises_is_dropped_and_serving_goes_on(backend, caplog):
+    calls = []
+
+    def failing(token_ids: list[int]) -> None:
+        calls.append(token_ids)
+        raise RuntimeError("gone")
+
+    result = await backend.generate(prompt(6), greedy(5), on_tokens=failing)
+    assert (result.finish_reason, len(result.token_ids), len(calls)) == ("length", 5, 1)
+    assert (await backend.generate(prompt(6), greedy(3))).finish_reason == "length"
+    assert "a token listener raised" in caplog.text
+
+
+@pytest.mark.anyio
+async def test_a_failed_step_ends_a_streamed_request_with_the_tokens_its_listener_got(backend, text_model, monkeypatch):
+    forward, calls = text_model.forward, []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:  # prefill, decode, then this decode fails: two tokens made and handed over
+            raise RuntimeError("boom")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(text_model, "forward", flaky)
+    got: list[int] = []
+    result = await backend.generate(prompt(6, seed=1), greedy(10), on_tokens=got.extend)
+    assert (result.finish_reason, result.token_ids, got) == ("abort", got, result.token_ids) and len(got) == 2
+    assert "RuntimeError: boom" in result.meta[STREAM_BROKEN]
+    assert backend.statistics().num_failed == 1 and backend.statistics().num_aborted == 0

@@ -10,15 +10,35 @@ calls once a trajectory has ended (BackendPool: the session no longer counts whe
         params = SamplingParams(max_new_tokens=256, stop_token_ids=(151645,))
         result = await backend.generate(prompt_ids, params, session_id=trajectory_id)
         result.token_ids, result.logprobs, result.finish_reason   # finish_reason: stop | length | abort
+
+Streaming. A backend that can hand a generation's tokens over as it produces them says so with the class
+attribute `streams = True`, and its `generate` then takes `on_tokens`, a listener called with each run of new
+token ids, in order, on the event loop's thread, while the generation runs (never after `generate` returned).
+The runs joined are the result's `token_ids`; the result itself is what it would be without a listener. The
+caller passes `on_tokens` only to a backend that `can_stream`, so a backend without the attribute is called as
+before. A listener must be quick (it runs on the loop: hand the tokens to a queue); one that raises is logged
+and dropped by the backend, and the generation goes on.
+
+    if can_stream(backend):
+        result = await backend.generate(prompt_ids, params, on_tokens=lambda ids: queue.send_nowait(ids))
+
+A stream that breaks after some tokens arrived ends as an aborted generation (finish_reason `abort`) holding
+the tokens the listener got, with `meta[STREAM_BROKEN]` saying why, so the caller continues the turn from them
+(the scheduler retries it as a SERVER error) and no token is lost or sent twice.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
 FinishReason = Literal["stop", "length", "abort"]
+TokenListener = Callable[[list[int]], None]
+STREAM_BROKEN = "stream_broken"  # GenerateResult.meta key: why the stream of an aborted generation broke
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,3 +143,21 @@ class Backend(Protocol):
         ...
 
     async def aclose(self) -> None: ...
+
+
+def can_stream(backend: object) -> bool:
+    """Whether `backend.generate` takes a token listener (`on_tokens`); see the module docstring."""
+    return getattr(backend, "streams", False) is True
+
+
+def notify(listener: TokenListener | None, token_ids: list[int]) -> TokenListener | None:
+    """Call `listener` with `token_ids` (when there are any); the listener to call next time: None once it raised
+    (logged), so a failing listener is dropped and the generation goes on."""
+    if listener is None or not token_ids:
+        return listener
+    try:
+        listener(token_ids)
+    except Exception as exc:  # noqa: BLE001 -- the listener's failure is its own, never the generation's
+        log.warning("a token listener raised; it gets no more tokens of this generation", exc_info=exc)
+        return None
+    return listener

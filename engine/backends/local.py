@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from engine.backends.base import FinishReason, GenerateResult, SamplingParams
+from engine.backends.base import STREAM_BROKEN, FinishReason, GenerateResult, SamplingParams, TokenListener, notify
 from engine.backends.sampling import sample
 from engine.errors import BackendError, ErrorClass, ObservationError
 from engine.multimodal import BoundedCache, load_image
@@ -49,7 +49,7 @@ class LocalBackendStatistics:
     num_requests: int = 0  # admitted
     num_finished: int = 0  # resolved with a result, aborts included
     num_aborted: int = 0  # abort(), a cancelled caller, aclose()
-    num_failed: int = 0  # resolved with BackendError(SERVER) from a failed model step
+    num_failed: int = 0  # resolved with BackendError(SERVER) from a failed model step (or, streamed, STREAM_BROKEN)
     num_batches: int = 0  # prefills: groups of requests that started or joined the running batch
     num_steps: int = 0  # model steps, prefills included
     largest_batch: int = 0  # most rows running together
@@ -65,6 +65,8 @@ class _Request:
     rid: str | None
     stop_ids: frozenset[int]
     vision: dict[str, torch.Tensor] | None  # pixel_values, image_grid_thw
+    on_tokens: TokenListener | None = None  # None once it raised
+    is_streamed: bool = False
     done: anyio.Event = field(default_factory=anyio.Event)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -111,7 +113,10 @@ class _Batch:
 
 
 class LocalBackend:
-    """The Backend protocol over an in-process transformers causal LM (text, or Qwen2.5-VL with `processor`)."""
+    """The Backend protocol over an in-process transformers causal LM (text, or Qwen2.5-VL with `processor`).
+    It streams: a request's listener gets each token as the step that made it ends, on the event loop."""
+
+    streams = True
 
     def __init__(
         self,
@@ -170,9 +175,10 @@ class LocalBackend:
 
     async def generate(
         self, input_ids: Sequence[int], sampling_params: SamplingParams, image_data: Sequence[str] | None = None,
-        *, rid: str | None = None, session_id: str | None = None,
+        *, rid: str | None = None, session_id: str | None = None, on_tokens: TokenListener | None = None,
     ) -> GenerateResult:  # fmt: skip
-        """One model serves every request, so `session_id` changes nothing."""
+        """One model serves every request, so `session_id` changes nothing. `on_tokens` gets each token as it is
+        made (in `_postprocess`, on the event loop, before the request resolves)."""
         if refused := sampling_params.unsupported_locally():
             raise BackendError(ErrorClass.CLIENT, f"the local backend cannot honour {', '.join(refused)}")
         ids = [int(t) for t in input_ids]
@@ -182,7 +188,8 @@ class LocalBackend:
         if not self._is_serving:
             raise BackendError(ErrorClass.CONNECTION, "local backend is not serving (not entered, or closed)")
         eos = set() if sampling_params.ignore_eos else {self._tokenizer.eos_token_id} - {None}
-        request = _Request(ids, sampling_params, rid, frozenset(sampling_params.stop_token_ids) | eos, vision)
+        stop_ids = frozenset(sampling_params.stop_token_ids) | eos
+        request = _Request(ids, sampling_params, rid, stop_ids, vision, on_tokens, is_streamed=on_tokens is not None)
         self._waiting.append(request)
         self._live.add(request)
         self._count("num_requests")
@@ -309,13 +316,15 @@ class LocalBackend:
         return logits
 
     def _postprocess(self, rows: list[_Request], tokens: list[int], logprobs: list[float]) -> None:
-        """Append each row's token; resolve the rows that are done now, not at the end of the batch."""
+        """On the event loop: append each row's token (to its listener too); resolve the rows that are done now,
+        not at the end of the batch."""
         for request, token, logprob in zip(rows, tokens, logprobs, strict=True):
             if request.done.is_set():  # aborted or cancelled during the step
                 continue
             request.token_ids.append(token)
             request.logprobs.append(logprob)
             self._count("num_generated_tokens")
+            request.on_tokens = notify(request.on_tokens, [token])
             if token in request.stop_ids or self._hits_stop_string(request):
                 self._finish(request, "stop")
             elif len(request.token_ids) >= request.params.max_new_tokens:
@@ -323,24 +332,31 @@ class LocalBackend:
 
     # -- resolving requests ------------------------------------------------------------------
 
-    def _finish(self, request: _Request, outcome: FinishReason | BackendError) -> None:
-        """Resolve `request`, once: with what it generated and finish reason `outcome`, or with the error."""
+    def _finish(self, request: _Request, outcome: FinishReason | BackendError, *, broken: str | None = None) -> None:
+        """Resolve `request`, once: with what it generated and finish reason `outcome`, or with the error; `broken`:
+        why a streamed request ends here as an abort (`meta[STREAM_BROKEN]`)."""
         if request.done.is_set():
             return
         failed = isinstance(outcome, BackendError)
         request.result = outcome if failed else GenerateResult(
             token_ids=list(request.token_ids), logprobs=list(request.logprobs), text=self._text(request, outcome),
             finish_reason=outcome, weight_version=self._weight_version, prompt_tokens=len(request.input_ids),
+            meta={} if broken is None else {STREAM_BROKEN: broken},
         )  # fmt: skip
         self._live.discard(request)
-        self._count("num_failed" if failed else "num_finished")
-        self._count("num_aborted", int(outcome == "abort"))
+        self._count("num_failed" if failed or broken else "num_finished")
+        self._count("num_aborted", int(outcome == "abort" and not broken))
         request.done.set()
 
     def _fail(self, rows: list[_Request], exc: Exception, *, reset: bool) -> None:
+        """A failed step fails its rows: SERVER errors, but a streamed row that has tokens ends as a broken stream
+        with them (its listener has them; the caller goes on from them)."""
         error = BackendError(ErrorClass.SERVER, f"local model step failed: {type(exc).__name__}: {exc}")
         for request in rows:
-            self._finish(request, error)
+            if request.is_streamed and request.token_ids:
+                self._finish(request, "abort", broken=error.message)
+            else:
+                self._finish(request, error)
         if reset:
             self._batch = _Batch()
 

@@ -13,7 +13,8 @@ tokens in flight (`note_reported_load` adds what a server reports for other clie
 server that holds the request; pause, resume and weight versions go to every server, and a server that
 fails is logged and passed over (one error is raised only when all fail). Given the servers' URLs (or a
 router's workers), the pool places by load and cache, which sglang-router's session hashing does not;
-benchmarks/scale.py compares the three policies over 64 simulated servers.
+benchmarks/scale.py compares the three policies over 64 simulated servers. The pool streams when every server
+does (engine/backends/base.py): a token listener goes with the request to the server picked.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from functools import partial
 from typing import Any
 
 from engine.backends.affinity import Placement, PolicyName, ServerLoad, make_placement
-from engine.backends.base import Backend, GenerateResult, SamplingParams
+from engine.backends.base import Backend, GenerateResult, SamplingParams, TokenListener, can_stream
 from engine.backends.fanout import agreed_version, combined_error, gather, log_failures
 from engine.errors import BackendError
 
@@ -69,6 +70,11 @@ class BackendPool:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
+    @property
+    def streams(self) -> bool:
+        """Whether every server streams (engine/backends/base.py), so a listener can go to whichever is picked."""
+        return all(can_stream(backend) for backend in self.backends)
+
     def _is_cooling(self, index: int, now: float) -> bool:
         return now - self._failed_at[index] < self.cooldown_s
 
@@ -110,7 +116,9 @@ class BackendPool:
         *,
         rid: str | None = None,
         session_id: str | None = None,
+        on_tokens: TokenListener | None = None,
     ) -> GenerateResult:
+        """On the server the placement picks; `on_tokens` (given only when the pool `streams`) goes with it."""
         index = self.pick(session_id)
         self._inflight[index] += 1
         self._tokens[index] += len(input_ids)
@@ -118,7 +126,10 @@ class BackendPool:
             self._where[rid] = index
         try:
             backend = self.backends[index]
-            return await backend.generate(input_ids, sampling_params, image_data, rid=rid, session_id=session_id)
+            streaming = {} if on_tokens is None else {"on_tokens": on_tokens}
+            return await backend.generate(
+                input_ids, sampling_params, image_data, rid=rid, session_id=session_id, **streaming
+            )
         except BackendError as exc:
             if exc.retryable:
                 self._failed_at[index] = self._clock()

@@ -11,6 +11,12 @@ naming the server, the endpoint and an excerpt of the reply (engine/backends/tra
 An aborted request (`/abort_request`, or `/pause_generation` in mode "abort") is not an error: SGLang answers
 it with HTTP 200 and what was generated so far, finish type "abort".
 
+Streaming: given a token listener (`on_tokens`, engine/backends/base.py), a request goes with `"stream": true` and
+its tokens are handed on chunk by chunk (engine/backends/sglang_stream.py says what SGLang's chunks hold and how
+they are read); without one, the request is exactly the unstreamed one. A stream that breaks after tokens came
+returns them as an aborted generation (`meta[STREAM_BROKEN]` says why); the read timeout then bounds the wait for
+each chunk rather than the whole generation.
+
 Aborts touch this backend's requests only. Every request id sent is `<rid_prefix><serial>-<rid>`, with a
 prefix unique to the backend (`turnstile-<8 hex>-`) and a serial that makes no id a prefix of another.
 SGLang 0.5.23 (`TokenizerManager.abort_request`, managers/tokenizer_manager.py) looks the rid up exactly and,
@@ -39,15 +45,10 @@ from typing import Any, TypeVar
 import anyio
 import httpx2
 
-from engine.backends.base import GenerateResult, SamplingParams
+from engine.backends.base import GenerateResult, SamplingParams, TokenListener, notify
 from engine.backends.fanout import agreed_version, combined_error, gather, log_failures
-from engine.backends.sglang_format import (
-    THREAD_MIN_BYTES,
-    JSONStrings,
-    body_size,
-    generate_body,
-    parse_generate_reply,
-)
+from engine.backends.sglang_format import THREAD_MIN_BYTES, JSONStrings, body_size, generate_body, parse_generate_reply
+from engine.backends.sglang_stream import read_stream
 from engine.backends.transport import HTTPServer, http_transport
 from engine.backends.workers import list_workers
 from engine.errors import BackendError, ErrorClass
@@ -76,8 +77,11 @@ class SGLangBackend:
     by all backends); `transport` replaces httpx2's (an httpx2.MockTransport in tests and benchmarks).
 
     A request body is built off the event loop when it is large (images or a long prompt; see
-    engine/backends/sglang_format.py) and sent as bytes.
+    engine/backends/sglang_format.py) and sent as bytes. The backend streams (engine/backends/base.py): given a
+    listener, a request is sent with `"stream": true`.
     """
+
+    streams = True
 
     def __init__(
         self,
@@ -175,9 +179,12 @@ class SGLangBackend:
         *,
         rid: str | None = None,
         session_id: str | None = None,
+        on_tokens: TokenListener | None = None,
     ) -> GenerateResult:
         """POST /generate with `input_ids` (and `image_data` when given), log-probs on, under a request id of this
-        backend's (see the module docstring) and, with `session_id`, the routing key header.
+        backend's (see the module docstring) and, with `session_id`, the routing key header. With `on_tokens`, the
+        reply is streamed and each chunk's new tokens go to it as they arrive (`_stream`); without, the request is
+        not streamed.
 
         With images, SGLang expands each image's placeholder itself and takes one image pad per image
         (0.5.23 never answers a request whose pads are already expanded). Given `image_token_id`, each
@@ -196,27 +203,45 @@ class SGLangBackend:
             None if image_data is None else list(image_data),
             image_token_id=self.image_token_id,
             strings=self._json_strings,
+            stream=on_tokens is not None,
         )
         headers = {"content-type": "application/json"}
         if session_id is not None:
             headers[ROUTING_KEY_HEADER] = session_id
-        where = "POST /generate"
         self._running[sent_rid] = rid
         try:
-            if body_size(input_ids, image_data) >= THREAD_MIN_BYTES:
-                self._building.add(sent_rid)
-                try:
-                    body, num_sent = await anyio.to_thread.run_sync(build)
-                finally:
-                    self._building.discard(sent_rid)
-                if sent_rid in self._aborted_unsent:  # aborted before it was sent: as SGLang answers one still queued
-                    return GenerateResult(token_ids=[], logprobs=[], text="", finish_reason="abort")
-            else:
-                body, num_sent = build()
+            built = await self._build(sent_rid, build, body_size(input_ids, image_data))
+            if built is None:  # aborted before it was sent: as SGLang answers one still queued
+                return GenerateResult(token_ids=[], logprobs=[], text="", finish_reason="abort")
+            body, num_sent = built
+            check = partial(self._check_prompt, num_sent, len(input_ids), len(image_data or ()))
+            if on_tokens is not None:
+                return await self._stream(body, headers, check, on_tokens)
             response = await self._server.send("POST", "/generate", content=body, headers=headers)
         finally:
             del self._running[sent_rid]
             self._aborted_unsent.discard(sent_rid)
+        result = self._reply(response)
+        check(result.prompt_tokens, result.finish_reason)
+        return result
+
+    async def _build(
+        self, sent_rid: str, build: Callable[[], tuple[bytes, int]], size: int
+    ) -> tuple[bytes, int] | None:
+        """The request body and how many prompt tokens it sends, built in a worker thread when large; None when the
+        request was aborted meanwhile (it is never sent)."""
+        if size < THREAD_MIN_BYTES:
+            return build()
+        self._building.add(sent_rid)
+        try:
+            built = await anyio.to_thread.run_sync(build)
+        finally:
+            self._building.discard(sent_rid)
+        return None if sent_rid in self._aborted_unsent else built
+
+    def _reply(self, response: httpx2.Response) -> GenerateResult:
+        """A whole /generate reply as a result, or the error it is."""
+        where = "POST /generate"
         if not response.is_success:
             # Only a reply that is itself a generate reply ending in abort is an abort; anything else
             # (SGLang's {"object": "error", ...} bodies included) is the error its status says.
@@ -228,16 +253,32 @@ class SGLangBackend:
                 raise self._server.status_error(where, response)
             return result
         try:
-            result = parse_generate_reply(self._server.json(where, response))
+            return parse_generate_reply(self._server.json(where, response))
         except ValueError as exc:
             raise self._server.error(ErrorClass.MALFORMED, where, str(exc), response.text) from exc
-        if num_sent != len(input_ids) and result.finish_reason != "abort" and result.prompt_tokens != len(input_ids):
+
+    def _check_prompt(self, num_sent: int, num_ids: int, num_images: int, prompt_tokens: Any, finish: Any) -> None:
+        """CLIENT error when the server's prompt, its images expanded, is not the encoder's (see `generate`)."""
+        if num_sent != num_ids and finish != "abort" and prompt_tokens != num_ids:
             detail = (
-                f"the server expanded {len(image_data or ())} image(s) into a prompt of {result.prompt_tokens} "
-                f"tokens, the encoder into {len(input_ids)}: its image processor settings differ from the encoder's"
+                f"the server expanded {num_images} image(s) into a prompt of {prompt_tokens} tokens, the encoder "
+                f"into {num_ids}: its image processor settings differ from the encoder's"
             )
-            raise self._server.error(ErrorClass.CLIENT, where, detail)
-        return result
+            raise self._server.error(ErrorClass.CLIENT, "POST /generate", detail)
+
+    async def _stream(
+        self, body: bytes, headers: dict[str, str], check: Callable[[Any, Any], None], on_tokens: TokenListener
+    ) -> GenerateResult:
+        """POST /generate streamed (engine/backends/sglang_stream.py `read_stream`); a reply that is not a stream (an
+        error status, a server that does not stream) is read whole, its tokens handed over at once."""
+        async with self._server.stream("POST", "/generate", content=body, headers=headers) as response:
+            if not (response.is_success and response.headers.get("content-type", "").startswith("text/event-stream")):
+                await response.aread()
+                result = self._reply(response)
+                check(result.prompt_tokens, result.finish_reason)
+                notify(on_tokens, result.token_ids)
+                return result
+            return await read_stream(self._server, response, check, on_tokens)
 
     async def abort(self, rid: str | None = None) -> None:
         """POST /abort_request, to each worker, for this backend's request `rid`, or for each of its requests in

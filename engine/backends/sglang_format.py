@@ -7,7 +7,8 @@ string once (`JSONStrings`), and the parts joined. A large body (THREAD_MIN_BYTE
 thread, where the join's copy runs without the GIL (`bytes.join` drops it from 1 MiB on); orjson holds
 the GIL wherever it runs, which is why a payload is serialised once rather than in a thread every turn.
 The body is the JSON httpx2's `json=` sends (`{"input_ids", "sampling_params", "return_logprob", "rid"[,
-"image_data"]}`, compact, UTF-8), byte for byte but for the spelling of some floats (1e-05 as 0.00001).
+"stream"][, "image_data"]}`, compact, UTF-8), byte for byte but for the spelling of some floats (1e-05 as
+0.00001). A streamed reply is read by engine/backends/sglang_stream.py.
 """
 
 from __future__ import annotations
@@ -29,21 +30,9 @@ def _number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-def parse_generate_reply(body: Any) -> GenerateResult:
-    """Turn a `/generate` reply (with `return_logprob`) into a GenerateResult; ValueError names what is wrong.
-
-    Tokens and log-probs come from `meta_info.output_token_logprobs` (`[[logprob, token_id, text], ...]`).
-    A request aborted while still queued may come back without counts or log-probs: that is zero tokens.
-    """
-    if not isinstance(body, dict) or not isinstance(body.get("meta_info"), dict):
-        raise ValueError("the reply has no meta_info object")
-    meta = body["meta_info"]
-    finish = meta.get("finish_reason")
-    finish_type = finish.get("type") if isinstance(finish, dict) else None
-    if finish_type not in FINISH_TYPES:
-        raise ValueError(f"unknown finish_reason {finish!r}")
-    is_abort = finish_type == "abort"
-
+def output_entries(meta: dict[str, Any], is_abort: bool) -> tuple[list[int], list[float]]:
+    """The token ids and log-probs of `meta_info.output_token_logprobs` (`[[logprob, token_id, text], ...]`),
+    which may be missing only from an abort."""
     entries = meta.get("output_token_logprobs", [] if is_abort else None)
     if not isinstance(entries, list):
         raise ValueError("meta_info.output_token_logprobs is missing (was return_logprob sent?)")
@@ -54,6 +43,24 @@ def parse_generate_reply(body: Any) -> GenerateResult:
             raise ValueError(f"bad output_token_logprobs entry {entry!r}")
         logprobs.append(float(entry[0]))
         token_ids.append(entry[1])
+    return token_ids, logprobs
+
+
+def parse_generate_reply(body: Any) -> GenerateResult:
+    """Turn a `/generate` reply (with `return_logprob`) into a GenerateResult; ValueError names what is wrong.
+
+    Tokens and log-probs come from `meta_info.output_token_logprobs` (`[[logprob, token_id, text], ...]`).
+    A request aborted while still queued may come back without counts or log-probs: that is zero tokens.
+    """
+    if not isinstance(body, dict) or not isinstance(body.get("meta_info"), dict):
+        raise ValueError("the reply has no meta_info object")
+    meta = body["meta_info"]
+    finish_type = finish_type_of(meta)
+    if finish_type is None:
+        raise ValueError("unknown finish_reason None")
+    is_abort = finish_type == "abort"
+
+    token_ids, logprobs = output_entries(meta, is_abort)
     output_ids = body.get("output_ids")
     if output_ids is not None and (not isinstance(output_ids, list) or len(output_ids) != len(token_ids)):
         count = len(output_ids) if isinstance(output_ids, list) else output_ids
@@ -62,9 +69,28 @@ def parse_generate_reply(body: Any) -> GenerateResult:
     text = body.get("text", "" if is_abort else None)
     if not isinstance(text, str):
         raise ValueError("the reply has no text")
+    return generate_result(meta, token_ids, logprobs, text)
+
+
+def finish_type_of(meta: dict[str, Any]) -> str | None:
+    """`meta_info.finish_reason`'s type: None while a streamed generation goes on; ValueError if unknown."""
+    finish = meta.get("finish_reason")
+    if finish is None:
+        return None
+    finish_type = finish.get("type") if isinstance(finish, dict) else None
+    if finish_type not in FINISH_TYPES:
+        raise ValueError(f"unknown finish_reason {finish!r}")
+    return finish_type
+
+
+def generate_result(meta: dict[str, Any], token_ids: list[int], logprobs: list[float], text: str) -> GenerateResult:
+    """The GenerateResult of a finished generation's `meta_info` and its output, read already."""
+    finish_type = finish_type_of(meta)
+    if finish_type is None:
+        raise ValueError("the generation has no finish_reason")
     counts: dict[str, Any] = {}
     for key in ("prompt_tokens", "cached_tokens"):
-        counts[key] = meta.get(key, 0 if is_abort else None)
+        counts[key] = meta.get(key, 0 if finish_type == "abort" else None)
         if type(counts[key]) is not int:
             raise ValueError(f"meta_info.{key} is missing or not an integer")
     weight_version = meta.get("weight_version")
@@ -143,8 +169,10 @@ def generate_body(
     *,
     image_token_id: int | None = None,
     strings: JSONStrings | None = None,
+    stream: bool = False,
 ) -> tuple[bytes, int]:
-    """The /generate request as JSON bytes, and how many prompt tokens it sends.
+    """The /generate request as JSON bytes, and how many prompt tokens it sends (`"stream": true` too, with
+    `stream`).
 
     With `image_data`, it goes last in the body; given `image_token_id`, each run of that token in `input_ids` is
     sent as one (SGLang expands each image's placeholder itself). `strings` serialises the payloads (default:
@@ -158,6 +186,8 @@ def generate_body(
     else:
         ids = list(input_ids)
     head = {"input_ids": ids, "sampling_params": sampling_params, "return_logprob": True, "rid": rid}
+    if stream:
+        head["stream"] = True
     encoded = orjson.dumps(head, option=orjson.OPT_SERIALIZE_NUMPY)
     if image_data is None:
         return encoded, len(ids)

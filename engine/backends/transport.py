@@ -5,8 +5,10 @@ CONNECTION, no answer in time TIMEOUT, HTTP 5xx SERVER, HTTP 4xx CLIENT, and a r
 
 from __future__ import annotations
 
+import contextlib
 import select
 import socket
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpcore2
@@ -98,18 +100,32 @@ class HTTPServer:
 
     async def send(self, method: str, endpoint: str, body: dict[str, Any] | None = None, **kw: Any) -> httpx2.Response:
         """Send one request; a failure to get a reply at all raises TIMEOUT, CONNECTION, CLIENT or MALFORMED."""
-        where = f"{method} {endpoint}"
         try:
             return await self.client.request(method, self.url + endpoint, json=body, **kw)
-        except httpx2.TimeoutException as exc:
-            raise self.error(ErrorClass.TIMEOUT, where, f"no reply in time ({type(exc).__name__})") from exc
-        except (httpx2.UnsupportedProtocol, httpx2.LocalProtocolError) as exc:
-            raise self.error(ErrorClass.CLIENT, where, f"cannot send the request: {exc!r}") from exc
-        except httpx2.DecodingError as exc:
-            raise self.error(ErrorClass.MALFORMED, where, f"the reply could not be decoded: {exc!r}") from exc
         except httpx2.RequestError as exc:
-            detail = f"{type(exc).__name__}: {exc}" if str(exc) else f"{type(exc).__name__} (connection closed)"
-            raise BackendError(ErrorClass.CONNECTION, f"{self.name} is unreachable: {where}: {detail}") from exc
+            raise self.failure(f"{method} {endpoint}", exc) from exc
+
+    @contextlib.asynccontextmanager
+    async def stream(self, method: str, endpoint: str, **kw: Any) -> AsyncIterator[httpx2.Response]:
+        """Send one request and hold its reply open while the body is read (`aiter_bytes`); a failure before the
+        reply's head raises as `send` does. The connection is closed on leaving, read to its end or not."""
+        try:
+            async with self.client.stream(method, self.url + endpoint, **kw) as response:
+                yield response
+        except httpx2.RequestError as exc:
+            raise self.failure(f"{method} {endpoint}", exc) from exc
+
+    def failure(self, where: str, exc: httpx2.RequestError) -> BackendError:
+        """The error of a request that got no reply, or lost the rest of one: TIMEOUT, CLIENT, MALFORMED or
+        CONNECTION."""
+        if isinstance(exc, httpx2.TimeoutException):
+            return self.error(ErrorClass.TIMEOUT, where, f"no reply in time ({type(exc).__name__})")
+        if isinstance(exc, httpx2.UnsupportedProtocol | httpx2.LocalProtocolError):
+            return self.error(ErrorClass.CLIENT, where, f"cannot send the request: {exc!r}")
+        if isinstance(exc, httpx2.DecodingError):
+            return self.error(ErrorClass.MALFORMED, where, f"the reply could not be decoded: {exc!r}")
+        detail = f"{type(exc).__name__}: {exc}" if str(exc) else f"{type(exc).__name__} (connection closed)"
+        return BackendError(ErrorClass.CONNECTION, f"{self.name} is unreachable: {where}: {detail}")
 
     def status_error(self, where: str, response: httpx2.Response) -> BackendError:
         error_class = ErrorClass.SERVER if response.status_code >= 500 else ErrorClass.CLIENT

@@ -139,3 +139,4 @@ class SchedulerStatistics:
     num_restarted: int  # restarts for staleness
     num_finished_stale: int
     num_discarded_tokens: int  # generated, then thrown away by restarts
+    num_listener_failures: int  # token listeners that raised (and were cleared)

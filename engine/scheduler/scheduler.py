@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 import anyio
 
-from engine.backends.base import Backend, SamplingParams
+from engine.backends.base import STREAM_BROKEN, Backend, SamplingParams
 from engine.encoding import ChatEncoder
 from engine.envs.base import AbandonedCalls, EnvRunner
 from engine.envs.deadlines import Deadlines
@@ -99,7 +99,8 @@ class Scheduler:
         seed_base: int | None = None,
     ):
         """`end_on_abort`: a request aborted by someone else (not by a pause of this scheduler: slime's
-        own end-of-step abort, say) ends its trajectory ABORTED; otherwise it is a SERVER error, retried."""
+        own end-of-step abort, say) ends its trajectory ABORTED; otherwise it is a SERVER error, retried. A stream
+        that broke mid-way (`STREAM_BROKEN`) is a SERVER error either way: the turn goes on from its tokens."""
         self.backend, self.encoder, self.sampling, self.limits = backend, encoder, sampling, limits
         # a backend over several servers places sessions; told when one ends (BackendPool.end_session)
         self._end_session: Callable[[str], None] | None = getattr(backend, "end_session", None)
@@ -297,9 +298,17 @@ class Scheduler:
             self._generating[rid] = trajectory
             self._set_phase(trajectory, Phase.GENERATING)
             try:
-                result = await generate_turn(trajectory, self.backend, sampling, self.limits, rid=rid, encoder=encoder)
-                trajectory.turns[-1].queue_seconds += waited
-                foreign_abort = result.finish_reason == "abort" and not self.generation_slots.is_closed
+                result = await generate_turn(
+                    trajectory, self.backend, sampling, self.limits, rid=rid, encoder=encoder,
+                    on_listener_error=self._listener_failed,
+                )  # fmt: skip
+                turn = trajectory.turns[-1]
+                turn.queue_seconds += waited
+                stop = out_of_room(trajectory, self.limits)
+                goes_on = turn.finish_reason == "abort" and stop is None  # cut short, with room left
+                if goes_on and STREAM_BROKEN in result.meta:  # the tokens that came are kept; the turn goes on
+                    raise BackendError(ErrorClass.SERVER, f"the stream broke: {result.meta[STREAM_BROKEN]}")
+                foreign_abort = goes_on and not self.generation_slots.is_closed
                 if foreign_abort and not end_on_abort:
                     raise BackendError(
                         ErrorClass.SERVER, "the backend aborted the request while generation was not paused"
@@ -314,9 +323,7 @@ class Scheduler:
             else:
                 self.breaker.record(True)
                 self.clock.observe(result.weight_version)
-                stop = out_of_room(trajectory, self.limits)
-                turn = trajectory.turns[-1]
-                if turn.finish_reason == "abort" and stop is None:
+                if goes_on:
                     if foreign_abort:
                         return StopReason.ABORTED  # aborted by its caller: it ends here, tokens kept
                     continue  # paused mid-turn, with room left: the turn goes on once generation resumes
@@ -469,6 +476,10 @@ class Scheduler:
     def count_finished_stale(self) -> None:
         self._counts["finished_stale"] += 1
 
+    def _listener_failed(self, error: Exception) -> None:
+        """A trajectory's token listener raised (generate_turn logged it and cleared it)."""
+        self._counts["listener_failures"] += 1
+
     def _charge(self, trajectory: Trajectory, budget: RetryBudget, error: TurnError) -> int:
         """Spend a retry on `error`, or raise it (noting the spent budget) when none is left."""
         attempt = budget.charge(error, len(trajectory.turns))
@@ -570,6 +581,7 @@ class Scheduler:
             num_restarted=self._counts["restarted"],
             num_finished_stale=self._counts["finished_stale"],
             num_discarded_tokens=self._counts["discarded_tokens"],
+            num_listener_failures=self._counts["listener_failures"],
         )
 
 
