@@ -394,13 +394,13 @@ class CallTriggers:
         self._triggers.append((max(1, calls), event))
         return event
 
-    async def generate(self, input_ids, sampling_params, image_data=None, *, rid=None, session_id=None):
+    async def generate(self, input_ids, sampling_params, image_data=None, **options):
         self.calls[self.step] += 1
         self.total += 1
         for calls, event in self._triggers:
             if self.total >= calls:
                 event.set()
-        return await self.inner.generate(input_ids, sampling_params, image_data, rid=rid, session_id=session_id)
+        return await self.inner.generate(input_ids, sampling_params, image_data, **options)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)

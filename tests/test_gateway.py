@@ -89,9 +89,8 @@ async def test_streaming_replies_carry_the_calls_and_the_usage(encoder):
     deltas = [e.choices[0].delta for e in events if e.choices]
     calls = [call for delta in deltas for call in delta.tool_calls or ()]
     assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
-    assert [getattr(d, "reasoning_content", None) for d in deltas if getattr(d, "reasoning_content", None)] == [
-        "I should look it up."
-    ]
+    reasoning = [getattr(d, "reasoning_content", None) for d in deltas if getattr(d, "reasoning_content", None)]
+    assert len(reasoning) > 1 and "".join(reasoning) == "I should look it up."  # streamed as it was generated
     assert [e.choices[0].finish_reason for e in events if e.choices and e.choices[0].finish_reason] == ["tool_calls"]
     assert events[-1].usage.completion_tokens == len(turns[0])
 
@@ -452,7 +451,7 @@ async def test_a_function_calling_session_through_the_responses_api(encoder):
             texts = [event.delta async for event in stream if event.type == "response.output_text.delta"]
             second = await stream.get_final_response()
         (trajectory,) = await gateway.finish(session.id)
-    assert texts == ["It is sunny in Paris."] and second.output_text == "It is sunny in Paris."
+    assert len(texts) > 1 and "".join(texts) == second.output_text == "It is sunny in Paris."
     assert second.status == "completed" and second.usage.output_tokens == len(turns[1])
     assert len(trajectory.turns) == 2 and trajectory.status == Status.COMPLETED  # the echo continued the chain
     assert_sampled_exactly(trajectory, turns)

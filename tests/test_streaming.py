@@ -13,10 +13,11 @@ from engine.backends.base import STREAM_BROKEN, GenerateResult, SamplingParams
 from engine.encoding import ChatEncoder
 from engine.envs.base import EnvRunner
 from engine.errors import ErrorClass, ResponseError
+from engine.scheduler.reference import run_trajectory
 from engine.scheduler.retry import CircuitBreaker, RetryPolicy
 from engine.scheduler.scheduler import Scheduler
 from engine.trajectory import Status, StopReason, Trajectory
-from engine.turn import TurnLimits, generate_turn, run_trajectory
+from engine.turn import TurnLimits, generate_turn
 from tests.fakes import DeterministicBackend, Listener, ScriptedBackend, ScriptedEnv
 
 PROMPT = [{"role": "user", "content": "Count."}]

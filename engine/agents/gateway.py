@@ -103,6 +103,7 @@ class Gateway:
         self.url: str | None = None
         self._public_url: str | None = None
         self._tasks: anyio.abc.TaskGroup | None = None
+        self._unanswered: set[Answer] = set()  # requests waiting for their turn (failed when serving ends)
         self.registry = CollectorRegistry(auto_describe=False)
         self.collector = GatewayCollector(self)
         self.registry.register(self.collector)
@@ -197,6 +198,8 @@ class Gateway:
                     with anyio.CancelScope(shield=True):
                         for session in list(self.sessions.values()):
                             await self.finish_session(session, abort=True)
+                        for answer in list(self._unanswered):  # a request still waiting: told, its stream ended
+                            answer.fail(RequestError("the gateway is shutting down", status=503, kind="server_error"))
                         server.should_exit = True
         finally:
             self._tasks = None
@@ -334,7 +337,7 @@ class Gateway:
         if chain is not None and fit.repeat:  # a client's retry of a request in flight or answered: one reply
             self.counts["repeats"] += 1
             answer = Answer(original=chain.last_answer)
-            self._tasks.start_soon(self._repeat, chain, asked, answer)
+            self._start(self._repeat, chain, asked, answer)
             return answer
         if chain is None:
             cause = fit.cause if session.chains else None
@@ -345,8 +348,22 @@ class Gateway:
                 chain.drive_ended = anyio.Event()
         answer = chain.last_answer = Answer()
         chain.claim(asked.keys)
-        self._tasks.start_soon(self._answer, chain, fit, asked, answer, live)
+        self._start(self._answer, chain, fit, asked, answer, live)
         return answer
+
+    def _start(self, answering: Any, *args: Any) -> None:
+        """Answer a request in a task of the gateway's (`answering(..., answer, ...)`), remembered until done."""
+        answer = next(arg for arg in args if isinstance(arg, Answer))
+        self._unanswered.add(answer)
+
+        async def run() -> None:
+            try:
+                await answering(*args)
+            finally:
+                self._unanswered.discard(answer)
+
+        assert self._tasks is not None
+        self._tasks.start_soon(run)
 
     async def _answer(self, chain: Chain, fit: Fit, asked: Asked, answer: Answer, live: bool) -> None:
         trajectory = chain.trajectory
