@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV := .venv
 INSTALLED := $(VENV)/.installed
 
-.PHONY: run test bench sglang slime-image
+.PHONY: run test bench sglang slime-image agent-clis
 
 $(INSTALLED): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,10 @@ sglang: $(INSTALLED)
 # $$TURNSTILE_CACHE; ~5 GB, about a minute on a fast link once).
 slime-image: $(INSTALLED)
 	$(VENV)/bin/python -m tests.slime_image install
+
+# The agent CLIs the gateway is tested with, from npm at pinned versions (cached under $$TURNSTILE_CACHE; needs npm).
+agent-clis: $(INSTALLED)
+	$(VENV)/bin/python -m tests.agent_clis install
 
 bench: $(INSTALLED)
 	mkdir -p reports

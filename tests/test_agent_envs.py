@@ -148,6 +148,8 @@ async def test_an_agent_that_fails_fails_its_trajectory_alone_and_leaves_no_proc
     assert failed.status is Status.FAILED
     (error,) = {e.error_class for e in failed.errors}
     assert error is ErrorClass.AGENT and outcome in failed.errors[-1].message
+    if how == "crash":  # what the agent said, wherever it wrote it
+        assert "the agent's tool server went away" in failed.errors[-1].message
     assert all(t.status is Status.COMPLETED and t.reward == 1.0 for t in by_task.values())  # the others go on
     # a retry starts a fresh agent only where none has seen a turn: before its first request
     attempts = 1 + DEFAULT_PER_TURN[ErrorClass.AGENT] if how == "silent" else 1

@@ -122,7 +122,7 @@ class AgentRun:
         base = dict(os.environ if env is None else env)
         result = await run_process(argv, marker=self.session_id, env={**base, **self.environ()}, cwd=cwd, stdin=stdin)
         if check and result.returncode != 0:
-            raise AgentFailed(f"{argv[0]} exited with status {result.returncode}: {result.stderr[-2000:]!r}")
+            raise AgentFailed(f"{argv[0]} exited with status {result.returncode}: {result.said()}")
         return result
 
 

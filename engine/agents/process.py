@@ -33,6 +33,16 @@ class ProcessResult:
     stdout: str  # the last OUTPUT_TAIL bytes of each, decoded
     stderr: str
 
+    def said(self, most: int = 2000) -> str:
+        """What the program said last, wherever it wrote it (a CLI that fails may write its error to stdout, as
+        Claude Code's `-p` does): the end of each stream that holds anything."""
+        said = [
+            f"{name}: {text.strip()[-most:]!r}" for name, text in (("stderr", self.stderr), ("stdout", self.stdout))
+        ]
+        return "; ".join(line for line, text in zip(said, (self.stderr, self.stdout), strict=True) if text.strip()) or (
+            "nothing on stdout or stderr"
+        )
+
 
 async def run_process(
     argv: Sequence[str],
