@@ -134,9 +134,12 @@ async def scrape_a_gateway(tokenizer) -> str:
     from tests.gateway_kit import PROMPT, gateway_over, sampled
 
     encoder = ChatEncoder(tokenizer)
-    gateway, _ = gateway_over(encoder, [sampled(encoder, "Sunny."), sampled(encoder, "Rainy.")])
+    gateway, _ = gateway_over(
+        encoder, [sampled(encoder, "Sunny."), sampled(encoder, "Rainy."), sampled(encoder, "Hi.")]
+    )
     async with gateway.serving(), httpx2.AsyncClient(base_url=gateway.url, timeout=60) as client:
         session = gateway.open_session()
+        client.headers["x-api-key"] = session.key
         chat = f"/sessions/{session.id}/v1/chat/completions"
         for body in (
             {"messages": PROMPT, "temperature": 0.5},
@@ -144,6 +147,8 @@ async def scrape_a_gateway(tokenizer) -> str:
             {"messages": PROMPT, "n": 2},  # a bad request
         ):
             await client.post(chat, json={"model": "policy", **body})
+        hosted = {"model": "policy", "input": "Hi", "tools": [{"type": "web_search"}]}  # left out, counted
+        await client.post(f"/sessions/{session.id}/v1/responses", json=hosted)
         response = await client.get("/metrics")
         await gateway.finish(session.id)
     response.raise_for_status()

@@ -6,8 +6,9 @@ first argument:
 
 `finish`: prints the final answer as JSON; `compact`: then asks once more with its history compacted into one
 user message (a fork of its session); `crash`: says why on stdout and exits 3 after its first reply; `hang`:
-never ends after its first reply; `silent`: exits 0 without a request. Before its first request it starts two `sleep` processes, one
-in its process group and one that leaves it (`setsid`), and writes their pids (and its own) to PIDFILE.
+never ends after its first reply; `silent`: exits 0 without a request. Before its first request it starts two
+`sleep` processes, one in its process group and one that leaves it (`setsid`), and writes their pids (and its
+own) to PIDFILE.
 """
 
 from __future__ import annotations
