@@ -1,4 +1,5 @@
 """`turnstile run`: multi-turn trajectories of a model against an env, one JSON line per trajectory;
+`turnstile gateway`: the session gateway for agent programs and CLIs, as a standing server (engine/gateway_command.py);
 `turnstile serve`: the rollout service for slime as a named Ray actor;
 `turnstile check-template`: whether delta encoding is exact for a tokenizer's chat template;
 `turnstile show`: a JSON lines file's trajectories, turn by turn (engine/show.py).
@@ -9,6 +10,8 @@ turnstile run                                   # tiny local model, built-in ari
 turnstile run --vision                          # the tiny Qwen2.5-VL model, images in observations
 turnstile run --env python_tool                 # a built-in env by short name (engine/envs/builtin.py)
 turnstile run --backend sglang --url http://127.0.0.1:30000 --tokenizer PATH --prompts rows.jsonl
+turnstile run --agent-command 'claude -p {prompt}' --prompts tasks.jsonl   # an agent CLI per sample
+turnstile gateway                               # agents' sessions of the embedded model, at 127.0.0.1:8100
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ from typing import Annotated, Any, Literal, NoReturn, Union, get_args, get_origi
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 
-from engine import show, template_check
+from engine import gateway_command, show, template_check
 from engine.config import RETRY_FLAGS, Flag, Settings, load_yaml, marker, problems, read_yaml
+from engine.gateway_command import GatewayCommand
 from engine.run import Run
 from engine.scheduler.retry import RetryPolicy
 
@@ -48,11 +52,12 @@ def main(argv: list[str] | None = None) -> int:
         return template_check.main(args)
     if args.command == "show":
         return show.main(args)
-    try:  # everything a run reads is checked, and loaded, before it starts
-        run = Run.load(settings_from_flags(args), args)
+    command = GatewayCommand if args.command == "gateway" else Run
+    try:  # everything a run (or a gateway) reads is checked, and loaded, before it starts
+        loaded = command.load(settings_from_flags(args), args)
     except (ValueError, OSError) as exc:  # bad settings, prompts, env, tokenizer, template, model: one error
         _refuse(_describe(exc))
-    return run.execute()
+    return loaded.execute()
 
 
 def console() -> None:
@@ -104,11 +109,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="leave the decoded text (prompt, each turn's response and observation) out of the JSON lines",
     )
-    for name, field in Settings.model_fields.items():
-        if marker(field, Flag) is not None:
-            _add_flag(run, name, field)
-    for name, flag in RETRY_FLAGS.items():
-        _add_flag(run, flag.replace("-", "_"), RetryPolicy.model_fields[name])
+    _add_settings_flags(run)
+    gateway = commands.add_parser(
+        "gateway",
+        help="serve agent programs and CLIs (Claude Code, Codex) sessions of the policy, over the embedded model "
+        "or --url",
+        usage="turnstile gateway [--url URL] [--host HOST] [--port PORT] [options]",
+        description=gateway_command.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=SETTINGS_EPILOG,
+        allow_abbrev=False,  # `--env`, which it does not take, is not `--env-...`
+    )
+    gateway.add_argument("--config", help="a YAML file of settings, flat keys (flags override it)")
+    gateway_command.add_arguments(gateway)
+    _add_settings_flags(gateway, leave_out=gateway_command.NOT_READ, retry=False)
     serve = commands.add_parser("serve", help="start the rollout service as a named Ray actor")
     serve.add_argument(
         "--name", help="the actor's name, namespace `turnstile` (default: the YAML's ray_actor, else turnstile-rollout)"
@@ -121,9 +135,20 @@ def build_parser() -> argparse.ArgumentParser:
     template_check.add_arguments(check)
     view = commands.add_parser("show", help="print trajectories of a JSON lines file, turn by turn")
     show.add_arguments(view)
-    for command in (run, serve, check, view):
+    for command in (run, gateway, serve, check, view):
         command.set_defaults(command_parser=command)
     return parser
+
+
+def _add_settings_flags(
+    parser: argparse.ArgumentParser, leave_out: tuple[str, ...] = (), *, retry: bool = True
+) -> None:
+    """A flag per knob marked as one in engine.config (those in `leave_out` excepted), and the retry flags."""
+    for name, field in Settings.model_fields.items():
+        if marker(field, Flag) is not None and name not in leave_out:
+            _add_flag(parser, name, field)
+    for name, flag in RETRY_FLAGS.items() if retry else ():
+        _add_flag(parser, flag.replace("-", "_"), RetryPolicy.model_fields[name])
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -253,10 +278,10 @@ def settings_from_flags(args: argparse.Namespace) -> Settings:
             setattr(args, name, value)
     from_yaml = set(values)  # the knobs whose values the YAML gives, unless a flag overrides them below
     for name, field in Settings.model_fields.items():
-        if marker(field, Flag) is not None and getattr(args, name) is not NOT_GIVEN:
+        if marker(field, Flag) is not None and getattr(args, name, NOT_GIVEN) is not NOT_GIVEN:
             values[name] = getattr(args, name)
             from_yaml.discard(name)
-    retry = {name: getattr(args, flag.replace("-", "_")) for name, flag in RETRY_FLAGS.items()}
+    retry = {name: getattr(args, flag.replace("-", "_"), NOT_GIVEN) for name, flag in RETRY_FLAGS.items()}
     retry = {name: value for name, value in retry.items() if value is not NOT_GIVEN}
     given = values.get("retry") or {}
     if retry and isinstance(given, Mapping):  # a flag sets one retry knob; the YAML's others stay

@@ -296,6 +296,14 @@ class Settings(EngineConfig):
     ] = "engine.envs.arith"
     """The env module (dotted path or .py file) exposing build_env, or a built-in env's short name (arith,
     python_tool, judge, geometry: engine/envs/builtin.py); `rollout_interaction_env_path` in YAML too."""
+    agent_command: Annotated[str | None, FLAG] = None
+    """An agent CLI's command line, run for each sample against its own session of the gateway (the built-in env
+    agent_command, engine/envs/agent_command.py: `{prompt}` in it is the row's task, `{openai_base_url}` and the
+    like its session's); given, the env is agent_command. Under slime: `agent_command:` at the top of the custom
+    config, with `rollout_interaction_env_path: agent_command`."""
+    agent_reward_command: Annotated[str | None, FLAG] = None
+    """With agent_command: a command run after the agent in its directory (its output in $TURNSTILE_AGENT_OUTPUT),
+    whose last printed line is the sample's reward; none: the env gives no reward (slime's reward path scores)."""
     env_workers: Annotated[NonNegativeInt, FLAG] = 0
     """Host the envs in this many Ray actors (env workers: processes stepping many envs each) instead of the
     rollout process's threads (0: in process, for one machine); see engine/envs/ray_workers.py."""
@@ -366,6 +374,19 @@ class Settings(EngineConfig):
     trajectory's turns to one worker by the routing key Turnstile sends (consistent_hashing, manual), else to
     the workers the router lists at start, placed by Turnstile's affinity (a trajectory stays on the worker
     holding its prefix); router, workers: always that way."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _agent_command_env(cls, data: Any) -> Any:
+        """`agent_command` runs the agent_command env: the env unless another was named (then one error)."""
+        if not isinstance(data, Mapping) or not data.get("agent_command"):
+            return data
+        named = data.get("env_path", data.get("rollout_interaction_env_path"))
+        if named is None:
+            return {**data, "env_path": "agent_command"}
+        if resolve_env_path(named) != resolve_env_path("agent_command"):
+            raise ValueError(f"agent_command runs the agent_command env, but env_path names {named!r}: give one")
+        return data
 
     @model_validator(mode="after")
     def _env_worker_knobs(self) -> Self:

@@ -56,15 +56,15 @@ class Run:
     def load(cls, config: Settings, args: argparse.Namespace) -> Run:
         """Everything the run reads, checked and loaded; a ValueError (or OSError) names what is wrong."""
         _check_run(config)
-        _check_out(args.out)
-        _check_metrics(config)
+        check_out(args.out)
+        check_metrics(config)
         make_env = EnvFactory(
             config.env_path, args=SimpleNamespace(**config.model_dump()), step_timeout=config.retry.env_step_timeout_s
         )
         rows = _load_rows(args, config)  # after the env module is checked: its make_prompts, if no --prompts
-        encoder = _encoder(config)
+        encoder = load_encoder(config)
         encoder.check_env(config.env_path, make_env.observation_roles, skip_special_tokens=config.skip_special_tokens)
-        model = _local_model(config)
+        model = load_local_model(config)
         make_env = hosted(
             make_env,
             env_workers=config.env_workers,
@@ -98,21 +98,15 @@ class Run:
 
     async def _run(self, ran: list[RolloutEngine], finished: list[Trajectory]) -> int:
         started = time.monotonic()
-        decode = _decoder(self.encoder) if self.args.text else None
+        decode = decoder(self.encoder) if self.args.text else None
         async with AsyncExitStack() as stack:
-            try:  # an SGLang URL is found to be a server or a router (and its workers) on entering
-                backend = await stack.enter_async_context(_backend(self.config, self.encoder, self.model))
-                problem = await backend.health_problem()
-            except BackendError as exc:
-                problem = exc.message
-            if problem is not None:
-                where = f"the {self.config.backend_kind} backend at {self.config.url}"
-                print(f"turnstile: {where} is not healthy: {problem}", file=sys.stderr)
+            backend = await open_backend(stack, self.config, self.encoder, self.model)
+            if backend is None:
                 return 2
             sink = stack.enter_context(nullcontext(sys.stdout) if self.args.out == "-" else _open_out(self.args.out))
             recorder = MetricsRecorder()
             level, sample = self.config.log_level, self.config.log_sample
-            turn_text = decode or _decoder(self.encoder) if level == "debug" else None  # debug: each turn's text
+            turn_text = decode or decoder(self.encoder) if level == "debug" else None  # debug: each turn's text
             observers = (recorder, TurnLogger(level=level, sample=sample, decode=turn_text))
             engine = RolloutEngine(
                 backend=backend,
@@ -182,7 +176,7 @@ def _load_rows(args: argparse.Namespace, config: Settings) -> list[dict[str, Any
     return rows
 
 
-def _encoder(config: Settings) -> ChatEncoder:
+def load_encoder(config: Settings) -> ChatEncoder:
     """The tokenizer (or VLM processor) and its chat template, checked by rendering it once."""
     from engine.models import load_processor, load_tokenizer
 
@@ -240,7 +234,7 @@ def _server_tokenizer(url: str) -> str:
     )
 
 
-def _local_model(config: Settings) -> Any:
+def load_local_model(config: Settings) -> Any:
     """The local backend's model (None for SGLang)."""
     if config.backend_kind != "local":
         return None
@@ -250,7 +244,7 @@ def _local_model(config: Settings) -> Any:
     return load_model(config.local_model, seed=config.seed)
 
 
-def _check_metrics(config: Settings) -> None:
+def check_metrics(config: Settings) -> None:
     """/metrics can be served where the settings say: the host is this machine's and the port free."""
     if config.metrics_port is None:
         return
@@ -266,7 +260,7 @@ def _check_metrics(config: Settings) -> None:
         ) from exc
 
 
-def _check_out(out: str) -> None:
+def check_out(out: str) -> None:
     """`--out` can be written: a file, or a path whose nearest existing folder is writable (nothing is created)."""
     if out == "-":
         return
@@ -283,10 +277,24 @@ def _check_out(out: str) -> None:
     raise ValueError(f"--out {out}: cannot write there: {why}")
 
 
-def _decoder(encoder: ChatEncoder) -> Callable[[Sequence[int]], str]:
+def decoder(encoder: ChatEncoder) -> Callable[[Sequence[int]], str]:
     """Token ids to text as a person reads them: special tokens (turn ends, roles) kept."""
     tokenizer = encoder.tokenizer
     return lambda ids: tokenizer.decode(list(ids), skip_special_tokens=False)
+
+
+async def open_backend(stack: AsyncExitStack, config: Settings, encoder: ChatEncoder, model: Any) -> Backend | None:
+    """The backend, entered on `stack` (an SGLang URL is found to be a server or a router, and its workers), and
+    healthy; None, its problem said on stderr, when it is not."""
+    try:
+        backend = await stack.enter_async_context(_backend(config, encoder, model))
+        problem = await backend.health_problem()
+    except BackendError as exc:
+        problem = exc.message
+    if problem is None:
+        return backend
+    print(f"turnstile: the {config.backend_kind} backend at {config.url} is not healthy: {problem}", file=sys.stderr)
+    return None
 
 
 def _backend(config: Settings, encoder: ChatEncoder, model: Any) -> Backend:

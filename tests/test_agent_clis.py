@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import anyio
@@ -140,3 +142,64 @@ async def test_codex_runs_a_tool_and_continues_through_a_session(encoder, tmp_pa
         assert again.returncode == 0 and "Nothing more to do." in again.stdout.decode()
         await gateway.finish(session.id)
     check_session(gateway, session, turns)
+
+
+def test_claude_code_and_codex_through_turnstile_gateway_on_the_embedded_model(tmp_path):
+    """The command a user starts (the embedded tiny model: its turns are noise, cut at the rollout's cap and
+    reported to the CLI as ended), each CLI in a session of its own named in its URL: both exit 0, nothing
+    refused, each session's chain written when Ctrl-C finishes it."""
+    from tests.test_cli import read_lines, turnstile
+    from tests.test_gateway_command import started
+
+    claude, codex = cli("claude"), cli("codex")
+    out, home, work = tmp_path / "sessions.jsonl", tmp_path / "home", tmp_path / "work"
+    (home / ".codex").mkdir(parents=True), work.mkdir()
+    proc = turnstile("gateway", "--port", "0", "--out", str(out), "--metrics-port", "0")
+    try:
+        served = started(proc)
+        anthropic_url, openai_url = (served[api].replace("/demo", "/claude-1") for api in ("anthropic", "openai"))
+        env = {
+            "HOME": str(home), "ANTHROPIC_BASE_URL": anthropic_url, "ANTHROPIC_API_KEY": served["key"],
+            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "TURNSTILE_API_KEY": served["key"],
+        }  # fmt: skip
+        said = subprocess.run(
+            [str(claude), "-p", "Say hello.", "--output-format", "json"], env={"PATH": os.environ["PATH"], **env},
+            cwd=work, capture_output=True, text=True, timeout=CLI_TIMEOUT_S, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        assert said.returncode == 0 and json.loads(said.stdout)["is_error"] is False, (said.stdout, said.stderr)
+        config = CODEX_CONFIG.format(base_url=openai_url.replace("/claude-1/", "/codex-1/"))
+        (home / ".codex" / "config.toml").write_text(config)
+        done = subprocess.run(
+            [str(codex), "exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox", "Say hello."],
+            env={"PATH": os.environ["PATH"], **env}, cwd=work, capture_output=True, text=True, timeout=CLI_TIMEOUT_S,
+            stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        assert done.returncode == 0, (done.stdout, done.stderr)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0 and "Traceback" not in err, err
+    records = read_lines(out)
+    assert sorted(r["metadata"]["session_id"] for r in records) == ["claude-1", "codex-1"]
+    assert all(r["status"] == "completed" and len(r["turns"]) >= 1 for r in records), records
+
+
+def test_an_agent_cli_per_sample_through_turnstile_run(tmp_path):
+    """`turnstile run --agent-command` on the embedded default: Claude Code runs once per sample against its
+    sample's session; every trajectory ends COMPLETED (its agent exited 0), none FAILED."""
+    from tests.test_cli import read_lines
+
+    claude = cli("claude")
+    out, home = tmp_path / "out.jsonl", tmp_path / "home"
+    home.mkdir()
+    env = {**os.environ, "HOME": str(home), "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}
+    command = f"{claude} -p {{prompt}} --output-format json"
+    argv = [sys.executable, "-m", "engine.cli", "run", "--agent-command", command, "--num-prompts", "2"]
+    done = subprocess.run([*argv, "--out", str(out)], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = read_lines(out)
+    assert [r["status"] for r in records] == ["completed", "completed"], [r.get("errors") for r in records]
+    assert all(r["prompt_length"] > 1000 for r in records)  # Claude Code's own system prompt and tools: its request

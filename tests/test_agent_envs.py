@@ -231,3 +231,43 @@ def test_slimes_custom_generate_function_runs_an_agent_env(encoder):
         getattr(args, SERVICE_ATTRIBUTE).shutdown()
     assert sample.status == Sample.Status.COMPLETED and sample.metadata["num_turns"] == 2
     assert sample.reward == 1.0 and len(sample.loss_mask) == sample.response_length
+
+
+AGENT_SCRIPT = """
+import os, sys, openai
+prompt, base_url = sys.argv[1], sys.argv[2]
+assert prompt == os.environ["TURNSTILE_PROMPT"] and base_url == os.environ["OPENAI_BASE_URL"], (sys.argv, os.environ)
+reply = openai.OpenAI(max_retries=0).chat.completions.create(
+    model=os.environ["TURNSTILE_MODEL"], messages=[{"role": "user", "content": prompt}]
+)
+open("answer.txt", "w").write(reply.choices[0].message.content or "(empty)")
+"""
+REWARD_SCRIPT = """
+import os
+print("judging", os.environ["TURNSTILE_AGENT_OUTPUT"])
+print(1.0 if os.path.exists("answer.txt") else 0.0)
+"""
+
+
+def test_an_agent_command_runs_per_sample_with_its_placeholders_and_a_reward_command(tmp_path):
+    """`turnstile run --agent-command` (the agent_command env) on the embedded default: the command per sample, in
+    a working directory of its own, `{prompt}` and `{openai_base_url}` filled, its session's URLs and key in its
+    environment; `--agent-reward-command` run after it there, its last line the reward."""
+    import subprocess
+    import sys
+
+    from tests.test_cli import read_lines
+
+    (tmp_path / "agent.py").write_text(AGENT_SCRIPT)
+    (tmp_path / "judge.py").write_text(REWARD_SCRIPT)
+    out = tmp_path / "out.jsonl"
+    argv = [
+        sys.executable, "-m", "engine.cli", "run", "--num-prompts", "2", "--out", str(out),
+        "--agent-command", f"{sys.executable} {tmp_path / 'agent.py'} {{prompt}} {{openai_base_url}}",
+        "--agent-reward-command", f"{sys.executable} {tmp_path / 'judge.py'}",
+    ]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = read_lines(out)
+    assert [(r["status"], r["reward"]) for r in records] == [("completed", 1.0), ("completed", 1.0)], records
+    assert all(r["prompt_text"].endswith("<|im_start|>assistant\n") for r in records)  # the agent's request

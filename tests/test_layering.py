@@ -27,6 +27,7 @@ LAYERS: list[tuple[str, tuple[str, ...], str]] = [
     (
         "built-in envs",
         (
+            "engine.envs.agent_command",
             "engine.envs.arith",
             "engine.envs.faults",
             "engine.envs.geometry.*",
@@ -34,7 +35,7 @@ LAYERS: list[tuple[str, tuple[str, ...], str]] = [
             "engine.envs.python_agent.*",
             "engine.envs.python_tool.*",
         ),
-        "envs loaded by path, clients of what lies below (python_agent of the agents)",
+        "envs loaded by path, clients of what lies below (python_agent and agent_command of the agents)",
     ),
     ("agents", ("engine.agents.*",), "the session gateway and agent envs: clients of the engine"),
     ("the engine", ("engine.engine", "engine.hosting"), "RolloutEngine; what it offers envs that bind to it"),

@@ -27,6 +27,7 @@ from engine.agents.request import RequestError, TurnInfo, check_policy_rules, fo
 from engine.agents.streaming import Sent
 from engine.agents.tools import DialectRequest, function_tool, stop_strings
 
+PATH = "messages"  # the route, under /sessions/<id>/v1/
 NAME = "a Messages request"
 IGNORED = ("temperature", "top_p", "top_k")
 SIGNATURE = "turnstile"  # thinking blocks carry a signature; the gateway's is constant (nothing to verify)

@@ -23,12 +23,14 @@ import hmac
 import logging
 import secrets
 import socket
+import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, Literal
 
 import anyio
+import orjson
 import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.applications import Starlette
@@ -44,7 +46,7 @@ from engine.agents.metrics import GatewayCollector
 from engine.agents.request import RequestError, TurnInfo
 from engine.agents.session import Asked, Chain, Session, SessionEnv
 from engine.agents.streaming import StreamSplitter
-from engine.agents.wire import presented_key, read, read_body, says_retry
+from engine.agents.wire import parse_json, presented_key, read, read_body, says_retry
 from engine.envs.base import EnvRunner
 from engine.gc_freeze import freeze_long_lived
 from engine.parsers import MalformedCall, ParsedTurn
@@ -58,7 +60,7 @@ log = logging.getLogger(__name__)
 KEEP_ALIVE_S = 75.0
 SHUTDOWN_S = 10.0  # at the end of serving, how long requests still open are given before they are cancelled
 STREAM_PING_S = 10.0  # a streamed reply with nothing new this long sends a keep-alive (a client's idle timeout)
-APIS = {"chat/completions": openai_chat, "responses": openai_responses, "messages": anthropic_messages}
+APIS = {api.PATH: api for api in (openai_chat, openai_responses, anthropic_messages)}  # under /sessions/<id>/v1/
 
 
 class _Server(uvicorn.Server):
@@ -76,9 +78,9 @@ class Gateway:
     waiting for its agent holds no slot of the scheduler. `limits`: what one request may send. `key`: the
     gateway's own key (a fresh one unless given), which reaches every session and opens new ones; each session
     has a key of its own for its agent. `open_on_first_use`: a request to a session id never opened opens it
-    (with the gateway's key). `gc_freeze`: as the engine's setting of that name, once per process when serving
-    starts (a full collection over the SDKs, torch and the tokenizer stalled the loop 0.3-0.4 s at a time with
-    1,000 sessions: benchmarks.gateway)."""
+    (with the gateway's key). `on_finished(session, chains)`: called once per session finished. `gc_freeze`: as
+    the engine's setting of that name, once per process when serving starts (a full collection over the SDKs,
+    torch and the tokenizer stalled the loop 0.3-0.4 s at a time with 1,000 sessions: benchmarks.gateway)."""
 
     def __init__(
         self,
@@ -90,6 +92,7 @@ class Gateway:
         limits: GatewayLimits | None = None,
         key: str | None = None,
         open_on_first_use: bool = False,
+        on_finished: Callable[[Session, list[Trajectory]], None] | None = None,
         gc_freeze: bool = True,
     ):
         self.scheduler, self.model_name, self.client_sampling = scheduler, model_name, client_sampling
@@ -97,6 +100,7 @@ class Gateway:
         self.limits = limits or GatewayLimits()
         self.key = key or f"sk-turnstile-{secrets.token_urlsafe(24)}"
         self.open_on_first_use = open_on_first_use
+        self.on_finished = on_finished  # told of each session finished, with its chains (once ended)
         self.gc_freeze = gc_freeze  # as the engine's setting: freeze what is alive when serving starts
         self.sessions: dict[str, Session] = {}
         self.counts: Counter[str] = Counter()
@@ -113,8 +117,11 @@ class Gateway:
                     Route(f"/sessions/{{session_id}}/v1/{path}", self._endpoint(api), methods=["POST"])
                     for path, api in APIS.items()
                 ),
+                Route("/sessions/{session_id}/v1/messages/count_tokens", self._count_tokens, methods=["POST"]),
+                Route("/sessions/{session_id}/finish", self._finish, methods=["POST"]),
                 Route("/sessions", self._open, methods=["POST"]),
                 Route("/metrics", self._metrics, methods=["GET"]),
+                Route("/{path:path}", self._unknown, methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD"]),
             ]
         )
 
@@ -148,6 +155,7 @@ class Gateway:
         """`finish` for a session (finished already or not: the same trajectories). The chains the gateway drives
         are waited for; with `abort`, one still generating is ended at once (ABORTED: its agent is gone). A `main`
         chain is its caller's."""
+        first = not session.closed
         self.sessions.pop(session.id, None)
         session.closed = True
         for chain in session.chains:
@@ -157,7 +165,21 @@ class Gateway:
         for chain in session.chains:
             if chain.drive_ended is not None:
                 await chain.drive_ended.wait()
-        return [chain.trajectory for chain in session.chains]
+        chains = [chain.trajectory for chain in session.chains]
+        if first and self.on_finished is not None:
+            try:
+                self.on_finished(session, chains)
+            except Exception as exc:  # noqa: BLE001 -- the caller's hook: logged, the session is finished all the same
+                log.error("on_finished for session %s raised", session.id, exc_info=exc)
+        return chains
+
+    def idle_sessions(self, before: float) -> list[Session]:
+        """Open sessions asked nothing since `before` (time.monotonic()) and with no chain generating."""
+        return [
+            session
+            for session in self.sessions.values()
+            if session.last_request_at < before and all(chain.waiting or chain.ended for chain in session.chains)
+        ]
 
     # -- serving -----------------------------------------------------------------------------------------
     @contextlib.asynccontextmanager
@@ -231,12 +253,52 @@ class Gateway:
         urls = {"openai_base_url": self.base_url(session), "anthropic_base_url": self.base_url(session, "anthropic")}
         return JSONResponse({"id": session.id, "key": session.key, **urls})
 
+    async def _finish(self, request: Request) -> Response:
+        """`POST /sessions/<id>/finish` with its key (or the gateway's): the session finished, its chains counted."""
+        try:
+            session = self._session(request)
+        except RequestError as error:
+            return JSONResponse(error.body(), status_code=error.status)
+        chains = await self.finish_session(session)
+        statuses = Counter(str(trajectory.status) for trajectory in chains)
+        forks = {str(cause): n for cause, n in session.forks.items()}
+        return JSONResponse({"id": session.id, "chains": len(chains), "statuses": statuses, "forks": forks})
+
+    async def _count_tokens(self, request: Request) -> Response:
+        """Anthropic's `POST /v1/messages/count_tokens`: the prompt's tokens as the policy's template renders them."""
+        try:
+            self._session(request, "messages/count_tokens")
+            raw = parse_json(await read_body(request, self.limits.max_body_bytes))
+            if isinstance(raw, dict):
+                raw.setdefault("max_tokens", 1)  # a count names none
+            body = orjson.dumps(raw)
+            _, asked = await read(
+                anthropic_messages, body, limits=self.limits, client_sampling="ignore", retry=False,
+                images=self.scheduler.encoder.processor is not None,
+            )  # fmt: skip
+            encoded = await self._encoder(asked).aencode_prompt(asked.messages)
+        except RequestError as error:
+            self.counts[f"bad_requests:{error.status}"] += 1
+            return JSONResponse(anthropic_messages.error_body(error), status_code=error.status)
+        except Exception as exc:  # noqa: BLE001 -- a template that does not render these messages: the request's
+            self.counts["bad_requests:400"] += 1
+            error = RequestError(f"the prompt does not render: {exc!r}")
+            return JSONResponse(anthropic_messages.error_body(error), status_code=400)
+        return JSONResponse({"input_tokens": len(encoded.token_ids)})
+
+    async def _unknown(self, request: Request) -> Response:
+        """A path the gateway does not serve: 404 in the envelope both SDKs read (`error.message`)."""
+        self.counts["bad_requests:404"] += 1
+        error = RequestError(f"no such route: {request.method} {request.url.path}", status=404, kind="not_found_error")
+        return JSONResponse(anthropic_messages.error_body(error), status_code=404)
+
     def _is_own_key(self, given: str | None) -> bool:
         return given is not None and hmac.compare_digest(given.encode(), self.key.encode())
 
-    def _session(self, request: Request) -> Session:
-        """The session a request is for, once its key is the session's or the gateway's."""
-        self.counts[f"requests:{request.url.path.rsplit('/v1/', 1)[-1]}"] += 1
+    def _session(self, request: Request, api: str | None = None) -> Session:
+        """The session a request is for, once its key is the session's or the gateway's (counted by `api`)."""
+        if api is not None:
+            self.counts[f"requests:{api}"] += 1
         given, session_id = presented_key(request), request.path_params["session_id"]
         session = self.sessions.get(session_id)
         own = self._is_own_key(given)
@@ -248,6 +310,7 @@ class Gateway:
             session = self.open_session(session_id)
         if session is None:
             raise RequestError(f"no open session {session_id!r}", status=404, kind="not_found_error")
+        session.last_request_at = time.monotonic()
         return session
 
     def _endpoint(self, api: Any) -> Any:
@@ -270,7 +333,7 @@ class Gateway:
 
     async def _serve(self, request: Request, api: Any) -> Response:
         """One request of an API (a dialect module): read, routed to its chain, answered whole or streamed."""
-        session = self._session(request)
+        session = self._session(request, api.PATH)
         body = await read_body(request, self.limits.max_body_bytes)
         parsed, asked = await read(
             api, body, limits=self.limits, client_sampling=self.client_sampling, retry=says_retry(request),

@@ -29,6 +29,7 @@ from engine.agents.streaming import Sent
 from engine.agents.tools import DialectRequest, chat_tools_of, stop_strings
 from engine.parsers import ParsedTurn
 
+PATH = "chat/completions"  # the route, under /sessions/<id>/v1/
 NAME = "a Chat Completions request"
 # Request fields that would change how the model samples: the rollout's settings rule.
 IGNORED = (

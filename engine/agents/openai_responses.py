@@ -42,6 +42,7 @@ from engine.agents.request import RequestError, TurnInfo, check_policy_rules, fo
 from engine.agents.streaming import Sent
 from engine.agents.tools import DialectRequest, function_tool
 
+PATH = "responses"  # the route, under /sessions/<id>/v1/
 NAME = "a Responses request"
 ROLES = ("system", "developer", "user", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text", "refusal")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import secrets
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -175,6 +176,7 @@ class Session:
     closed: bool = False
     main: Trajectory | None = None  # the first chain's trajectory when its caller drives it (an agent env's)
     main_started: anyio.Event = field(default_factory=anyio.Event)  # the first request made the main chain
+    last_request_at: float = field(default_factory=time.monotonic)  # when it was opened or last asked
 
     def route(self, asked: Asked) -> tuple[Chain | None, Fit]:
         """The chain a request continues or repeats (latest first) and its fit; else (None, the latest fit)."""

@@ -16,6 +16,7 @@ BUILTIN_ENVS: dict[str, str] = {
     "judge": "engine.envs.judge",
     "geometry": "engine.envs.geometry",
     "python_agent": "engine.envs.python_agent",  # an agent program (the OpenAI Agents SDK) on python_tool's tasks
+    "agent_command": "engine.envs.agent_command",  # any agent CLI by its command line (turnstile run --agent-command)
 }
 
 
