@@ -33,7 +33,16 @@ from engine.config import EngineConfig
 from engine.encoding import ChatEncoder
 from engine.envs.base import AbandonedCalls, EnvRunner
 from engine.envs.loader import EnvSample
-from engine.errors import FilterError, InternalError, ObservationError, PromptError, RewardError, TurnError
+from engine.errors import (
+    EnvError,
+    ErrorClass,
+    FilterError,
+    InternalError,
+    ObservationError,
+    PromptError,
+    RewardError,
+    TurnError,
+)
 from engine.gc_freeze import freeze_long_lived
 from engine.hosting import EnvHost, HostedEnv
 from engine.metrics.events import Observer
@@ -103,8 +112,8 @@ class RolloutEngine:
         *,
         backend: Backend,
         encoder: ChatEncoder,
-        env_factory: Callable[[EnvSample], EnvRunner],
-        source: PromptSource | Iterable[dict[str, Any]],
+        env_factory: Callable[[EnvSample], EnvRunner] | None = None,
+        source: PromptSource | Iterable[dict[str, Any]] = (),
         config: EngineConfig | None = None,
         reward_fn: Callable[[Trajectory], Any] | None = None,
         group_reward_fn: GroupRewardFn | None = None,
@@ -115,7 +124,8 @@ class RolloutEngine:
         return value is the reward); `group_reward_fn(group)` instead scores a whole group once all its
         members have ended. Either may be async; a raise or a timeout is a REWARD error, retried within
         the retry policy, then the trajectory (the group's members) fails. `group_filter` sees each scored
-        group and may drop it."""
+        group and may drop it. An engine without `env_factory` and `source` runs only the trajectories others
+        drive on its scheduler (a session gateway's chains: `Gateway(engine.scheduler)`)."""
         config = config or EngineConfig()
         self.recorder = next((o for o in observers if isinstance(o, MetricsRecorder)), None)
         if self.recorder is None and config.metrics_port is not None:
@@ -411,6 +421,8 @@ class RolloutEngine:
         """The env of one trajectory; a factory that may block (a user's `build_env`, which often creates a
         remote sandbox) builds it in a worker thread. An env that binds to the engine (engine/hosting.py) gives the
         runner itself."""
+        if self.env_factory is None:
+            raise EnvError(ErrorClass.ENV_EXCEPTION, "the engine was given no env_factory to build this env with")
         if getattr(self.env_factory, "blocking", False):
             runner = await anyio.to_thread.run_sync(self.env_factory, sample)
         else:

@@ -97,10 +97,8 @@ class GatewayCommand:
             backend = await open_backend(stack, config, self.encoder, self.model)
             if backend is None:
                 return 2
-            engine = RolloutEngine(
-                backend=backend, encoder=self.encoder, env_factory=_no_env, source=[],
-                config=config.engine_config(self.encoder.stop_token_ids),
-            )  # fmt: skip
+            settings = config.engine_config(self.encoder.stop_token_ids)
+            engine = RolloutEngine(backend=backend, encoder=self.encoder, config=settings)  # its chains only
             writer = ChainWriter(Path(args.out), decoder(self.encoder))
             gateway = Gateway(
                 engine.scheduler, model_name=_model_name(config), client_sampling=args.client_sampling,
@@ -200,7 +198,3 @@ def _announce(gateway: Gateway, config: Settings, engine: RolloutEngine, out: st
 def _model_name(config: Settings) -> str:
     """The model name replies carry when a request names none: the tokenizer's, or the embedded model's."""
     return config.tokenizer.rstrip("/").rsplit("/", 1)[-1] if config.backend_kind == "sglang" else config.local_model
-
-
-def _no_env(sample: Any) -> Any:
-    raise RuntimeError("a gateway's trajectories are its sessions' chains; the engine starts none of its own")
