@@ -75,6 +75,7 @@ def test_the_gateway_command_serves_sessions_and_writes_each_finished_one(tmp_pa
             with httpx2.Client(base_url=served["url"], timeout=60) as http:
                 wrong = http.post("/sessions/weather/v1/chat/completions", json={}, headers={"x-api-key": "sk-guess"})
                 assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+                assert wrong.headers["x-should-retry"] == "false"  # the SDKs' retries would not change it
                 finished = http.post("/sessions/weather/finish", headers={"x-api-key": served["key"]}).json()
                 assert finished == {"id": "weather", "chains": 1, "statuses": {"completed": 1}, "forks": {}}
                 opened = http.post("/sessions", headers={"Authorization": f"Bearer {served['key']}"}).json()

@@ -248,7 +248,7 @@ class Gateway:
     async def _open(self, request: Request) -> Response:
         """`POST /sessions` with the gateway's key: a new session, its key and its base URLs."""
         if not self._is_own_key(presented_key(request)):
-            return JSONResponse(_bad_key().body(), status_code=401)
+            return _error(_bad_key().body(), 401)
         session = self.open_session()
         urls = {"openai_base_url": self.base_url(session), "anthropic_base_url": self.base_url(session, "anthropic")}
         return JSONResponse({"id": session.id, "key": session.key, **urls})
@@ -258,7 +258,7 @@ class Gateway:
         try:
             session = self._session(request)
         except RequestError as error:
-            return JSONResponse(error.body(), status_code=error.status)
+            return _error(error.body(), error.status)
         chains = await self.finish_session(session)
         statuses = Counter(str(trajectory.status) for trajectory in chains)
         forks = {str(cause): n for cause, n in session.forks.items()}
@@ -279,18 +279,18 @@ class Gateway:
             encoded = await self._encoder(asked).aencode_prompt(asked.messages)
         except RequestError as error:
             self.counts[f"bad_requests:{error.status}"] += 1
-            return JSONResponse(anthropic_messages.error_body(error), status_code=error.status)
+            return _error(anthropic_messages.error_body(error), error.status)
         except Exception as exc:  # noqa: BLE001 -- a template that does not render these messages: the request's
             self.counts["bad_requests:400"] += 1
             error = RequestError(f"the prompt does not render: {exc!r}")
-            return JSONResponse(anthropic_messages.error_body(error), status_code=400)
+            return _error(anthropic_messages.error_body(error), 400)
         return JSONResponse({"input_tokens": len(encoded.token_ids)})
 
     async def _unknown(self, request: Request) -> Response:
         """A path the gateway does not serve: 404 in the envelope both SDKs read (`error.message`)."""
         self.counts["bad_requests:404"] += 1
         error = RequestError(f"no such route: {request.method} {request.url.path}", status=404, kind="not_found_error")
-        return JSONResponse(anthropic_messages.error_body(error), status_code=404)
+        return _error(anthropic_messages.error_body(error), 404)
 
     def _is_own_key(self, given: str | None) -> bool:
         return given is not None and hmac.compare_digest(given.encode(), self.key.encode())
@@ -319,7 +319,7 @@ class Gateway:
                 return await self._serve(request, api)
             except RequestError as error:
                 self.counts[f"bad_requests:{error.status}"] += 1
-                return JSONResponse(api.error_body(error), status_code=error.status)
+                return _error(api.error_body(error), error.status)
             except ClientDisconnect:  # gone before its body arrived: nothing to answer, nothing started
                 self.counts["disconnects"] += 1
                 return Response(status_code=499)
@@ -327,7 +327,7 @@ class Gateway:
                 log.error("a %s request failed unexpectedly", api.NAME, exc_info=exc)
                 self.counts["internal_errors"] += 1
                 error = RequestError(f"the gateway failed: {exc!r}", status=500, kind="server_error")
-                return JSONResponse(api.error_body(error), status_code=500)
+                return _error(api.error_body(error), 500)
 
         return endpoint
 
@@ -518,6 +518,13 @@ class Gateway:
         return RequestError(
             f"the session's trajectory ended ({trajectory.stop_reason}): {last}", status=status, kind="server_error"
         )
+
+
+def _error(body: dict[str, Any], status: int) -> Response:
+    """An error in an API's format. A 4xx says `x-should-retry: false`: the official SDKs (and the CLIs on them)
+    would otherwise retry a 409 or a 401 that asking again cannot change (Claude Code for minutes)."""
+    headers = {"x-should-retry": "false"} if 400 <= status < 500 else None
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def _bad_key() -> RequestError:

@@ -10,7 +10,8 @@ of events the SDK assembles, sent as it is generated, built with the official SD
 
 Tools: function tools as they are; custom (free-form) tools as a function of one string `input`, whose calls go
 back as `custom_tool_call` items; a namespace's tools flattened to functions named `<namespace>.<tool>`, whose
-calls go back with their namespace; a client-run tool search as a function. Hosted tools the policy cannot call
+calls go back with their namespace; a client-run tool search as a function; the tools of `additional_tools` input
+items as the request's own (Codex's code-mode models send theirs there). Hosted tools the policy cannot call
 (web search, file search, code interpreter, ...) and their items are left out of the prompt and counted
 (`degraded()`). The gateway keeps no responses: each request sends its whole input (as the Codex CLI does,
 `store: false`); `previous_response_id` is refused with that said. Sampling fields follow the rollout's settings.
@@ -95,13 +96,21 @@ class ResponsesRequest(DialectRequest):
 
     def chat_tools(self) -> list[dict[str, Any]] | None:
         """The tools in the shape chat templates take (the module's docstring says how each kind is)."""
+        offered = [(tool, f"tools.{i}") for i, tool in enumerate(self.tools or ())]
+        for i, item in enumerate(self.input if isinstance(self.input, list) else ()):
+            if (
+                isinstance(item, dict)
+                and item.get("type") == "additional_tools"
+                and isinstance(item.get("tools"), list)
+            ):
+                offered += [(tool, f"input.{i}.tools.{j}") for j, tool in enumerate(item["tools"])]
         out: list[dict[str, Any]] = []
-        for i, tool in enumerate(self.tools or ()):
-            if tool.get("type") == "namespace" and isinstance(tool.get("tools"), list):
+        for tool, where in offered:
+            if isinstance(tool, dict) and tool.get("type") == "namespace" and isinstance(tool.get("tools"), list):
                 for j, inner in enumerate(tool["tools"]):
-                    out += self._tool(inner, f"tools.{i}.tools.{j}", namespace=str(tool.get("name")))
+                    out += self._tool(inner, f"{where}.tools.{j}", namespace=str(tool.get("name")))
             else:
-                out += self._tool(tool, f"tools.{i}")
+                out += self._tool(tool, where)
         return out or None
 
     def _tool(self, tool: Any, where: str, namespace: str | None = None) -> list[dict[str, Any]]:
@@ -148,7 +157,8 @@ class ResponsesRequest(DialectRequest):
                 content = item.get("content")
                 parts = content if isinstance(content, str) else self._parts(content, where)
                 out.append({"role": "system" if role == "developer" else role, "content": parts})
-            else:  # a hosted tool's call or output, a compaction, a reference to a stored item: not the policy's
+            elif kind != "additional_tools":  # (whose tools are offered: chat_tools)
+                # a hosted tool's call or output, a compaction, a reference to a stored item: not the policy's
                 self.leave_out(f"item:{kind}")
         return out
 
