@@ -21,8 +21,8 @@ LAYERS: list[tuple[str, tuple[str, ...], str]] = [
     ("slime's side", ("bridge.*",), "rollout functions with slime's signatures, the service, the Ray actor"),
     (
         "the commands' work",
-        ("engine.run", "engine.show", "engine.template_check", "engine.template_drift"),
-        "`turnstile run`, `show`, `check-template`",
+        ("engine.gateway_command", "engine.run", "engine.show", "engine.template_check", "engine.template_drift"),
+        "`turnstile run`, `gateway`, `show`, `check-template`",
     ),
     (
         "built-in envs",
