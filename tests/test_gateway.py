@@ -617,3 +617,18 @@ async def test_each_api_reports_the_prompt_tokens_the_server_had_cached(encoder)
     assert chat.usage.prompt_tokens_details.cached_tokens == chat.usage.prompt_tokens - 7
     assert responses.usage.input_tokens_details.cached_tokens == responses.usage.input_tokens - 7
     assert (message.usage.input_tokens, message.usage.cache_read_input_tokens) == (7, chat.usage.prompt_tokens - 7)
+
+
+@pytest.mark.anyio
+async def test_anthropic_count_tokens_counts_the_prompt_as_the_template_renders_it(encoder):
+    gateway, backend = gateway_over(encoder, [])
+    async with gateway.serving():
+        session = gateway.open_session()
+        counted = await anthropic_client(gateway, session).messages.count_tokens(
+            model="policy", system=PROMPT[0]["content"], messages=PROMPT[1:], tools=ANTHROPIC_TOOLS
+        )
+        async with httpx2.AsyncClient(base_url=gateway.url, headers={"x-api-key": session.key}) as http:
+            elsewhere = await http.get(f"/sessions/{session.id}/v1/models")
+    expected = encoder.for_tools(TOOLS).encode_prompt(PROMPT).token_ids
+    assert counted.input_tokens == len(expected) and backend.requests == []  # counted, nothing generated
+    assert elsewhere.status_code == 404 and elsewhere.json()["error"]["type"] == "not_found_error"

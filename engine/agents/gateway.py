@@ -30,7 +30,6 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, Literal
 
 import anyio
-import orjson
 import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.applications import Starlette
@@ -46,7 +45,7 @@ from engine.agents.metrics import GatewayCollector
 from engine.agents.request import RequestError, TurnInfo
 from engine.agents.session import Asked, Chain, Session, SessionEnv
 from engine.agents.streaming import StreamSplitter
-from engine.agents.wire import parse_json, presented_key, read, read_body, says_retry
+from engine.agents.wire import presented_key, read, read_body, says_retry
 from engine.envs.base import EnvRunner
 from engine.gc_freeze import freeze_long_lived
 from engine.parsers import MalformedCall, ParsedTurn
@@ -268,13 +267,10 @@ class Gateway:
         """Anthropic's `POST /v1/messages/count_tokens`: the prompt's tokens as the policy's template renders them."""
         try:
             self._session(request, "messages/count_tokens")
-            raw = parse_json(await read_body(request, self.limits.max_body_bytes))
-            if isinstance(raw, dict):
-                raw.setdefault("max_tokens", 1)  # a count names none
-            body = orjson.dumps(raw)
+            body = await read_body(request, self.limits.max_body_bytes)
             _, asked = await read(
                 anthropic_messages, body, limits=self.limits, client_sampling="ignore", retry=False,
-                images=self.scheduler.encoder.processor is not None,
+                images=self.scheduler.encoder.processor is not None, defaults={"max_tokens": 1},
             )  # fmt: skip
             encoded = await self._encoder(asked).aencode_prompt(asked.messages)
         except RequestError as error:

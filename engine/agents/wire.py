@@ -74,12 +74,23 @@ async def read(api: Any, body: bytes, **options: Any) -> tuple[Any, Asked]:
 
 
 def read_now(
-    api: Any, body: bytes, *, limits: GatewayLimits, client_sampling: str, retry: bool, images: bool
+    api: Any,
+    body: bytes,
+    *,
+    limits: GatewayLimits,
+    client_sampling: str,
+    retry: bool,
+    images: bool,
+    defaults: dict[str, Any] | None = None,
 ) -> tuple[Any, Asked]:
     """The body as the API's request model and as the conversation a session matches; RequestError naming what
-    is wrong, whatever the body holds. `images`: whether the policy takes images (a VLM's processor)."""
+    is wrong, whatever the body holds. `images`: whether the policy takes images (a VLM's processor); `defaults`:
+    fields a body may leave out here (a token count's `max_tokens`)."""
     try:
-        parsed = api.read_request(parse_json(body), client_sampling=client_sampling)
+        raw = parse_json(body)
+        if defaults and isinstance(raw, dict):
+            raw = {**defaults, **raw}
+        parsed = api.read_request(raw, client_sampling=client_sampling)
         messages, tools = parsed.chat_messages(), parsed.chat_tools()
         if not messages:
             raise RequestError("the request holds no message the policy can read", param="messages")
