@@ -538,6 +538,23 @@ async def test_the_connections_the_gateway_accepts_send_at_once(encoder):
         await gateway.finish(session.id)
 
 
+@pytest.mark.anyio
+async def test_a_sessions_tool_set_has_one_encoder(tokenizer):
+    """The scheduler (for the chain's prompt) and the gateway (for each reply) key the encoder of a tool set alike:
+    one encoder a tool set, built once, so the cache holds `max_tool_sets` tool sets, not half as many."""
+    encoder = ChatEncoder(tokenizer)  # its own: its cache is what is checked
+    gateway, _ = gateway_over(encoder, [sampled(encoder, "Sunny."), sampled(encoder, "Rainy.")])
+    async with gateway.serving():
+        session = gateway.open_session()
+        agent = client(gateway, session)
+        reply = await agent.chat.completions.create(model="policy", messages=PROMPT, tools=TOOLS)
+        more = [*PROMPT, reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "And?"}]
+        async for _ in await agent.chat.completions.create(model="policy", messages=more, tools=TOOLS, stream=True):
+            pass
+        await gateway.finish(session.id)
+    assert encoder.cached_tool_sets == 1
+
+
 class GatedBackend(ScriptedBackend):
     """Replies once `gate` is set: a long generation."""
 
