@@ -44,4 +44,6 @@ bench: $(INSTALLED)
 	$(VENV)/bin/python -m benchmarks.longtail --size large --out reports/longtail
 	$(VENV)/bin/python -m benchmarks.hung_env --out reports/hung_env.json
 	$(VENV)/bin/python -m benchmarks.stream_latency --out reports/stream_latency.json
+	$(VENV)/bin/python -m benchmarks.gateway --out reports/gateway.json
+	$(VENV)/bin/python -m benchmarks.gateway_live --out reports/gateway_live.json
 	$(VENV)/bin/python -m benchmarks.sandbox --out reports/sandbox.json

@@ -76,11 +76,14 @@ class InstantReply:
         return "v0"
 
 
-def scheduler_for(encoder: ChatEncoder, sessions: int) -> Scheduler:
-    sampling = SamplingParams(max_new_tokens=64, stop_token_ids=encoder.stop_token_ids)
-    reply = [*encoder.tokenizer("It is sunny.", add_special_tokens=False)["input_ids"], encoder.end_of_turn_id]
+def scheduler_for(encoder: ChatEncoder, sessions: int, *, backend: Any = None, max_new_tokens: int = 64) -> Scheduler:
+    """The scheduler a gateway serves over: `backend`, or the instant one (the same reply every turn)."""
+    sampling = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=encoder.stop_token_ids)
+    if backend is None:
+        reply = [*encoder.tokenizer("It is sunny.", add_special_tokens=False)["input_ids"], encoder.end_of_turn_id]
+        backend = InstantReply(reply)
     return Scheduler(
-        backend=InstantReply(reply), encoder=encoder, sampling=sampling, limits=TurnLimits(max_turns=64),
+        backend=backend, encoder=encoder, sampling=sampling, limits=TurnLimits(max_turns=64),
         retry=RetryPolicy(env_step_timeout_s=600), breaker=CircuitBreaker(), max_generating=256,
         max_env_steps=max(1, sessions),
     )  # fmt: skip

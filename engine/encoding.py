@@ -40,6 +40,7 @@ variants, image payloads) are filled idempotently or under a lock.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import orjson
 
 from engine.errors import ObservationError
 from engine.families import ModelFamily, find_family
@@ -103,6 +105,17 @@ class DriftReport:
         return (
             f"drift at token {self.position}, in {where}: render has {self.expected!r}, trajectory has {self.actual!r}"
         )
+
+
+def tools_key(tools: list[dict[str, Any]]) -> str:
+    """What `ChatEncoder.for_tools` keeps a tool set's encoder by: a digest of the tools' JSON, its keys sorted. Every
+    caller keys by it (the scheduler, for a trajectory's prompt; the session gateway, for each reply), so that a tool
+    set has one encoder, built once."""
+    try:
+        data = orjson.dumps(tools, option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS)
+    except (TypeError, orjson.JSONEncodeError):  # not JSON, or nested past orjson's depth
+        data = repr(tools).encode("utf-8", "surrogatepass")
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
 class ChatEncoder:
@@ -219,10 +232,10 @@ class ChatEncoder:
     def for_tools(self, tools: list[dict[str, Any]] | None, *, key: str | None = None) -> ChatEncoder:
         """This encoder, or one like it that renders `tools` (a prompt's own tool set, as slime's
         `--tool-key` puts it in `metadata["tools"]`) into every prompt and observation. The newest
-        `max_tool_sets` are kept, by `key` (a digest of the tools a caller has already made) or the tools' JSON."""
+        `max_tool_sets` are kept, by `tools_key(tools)` (`key`: that digest, where a caller has made it already)."""
         if not tools or tools == self.tools:
             return self
-        key = key or json.dumps(tools, sort_keys=True, default=str)
+        key = key or tools_key(tools)
         encoder = self._with_tools.pop(key, None)
         if encoder is None:
             encoder = ChatEncoder(

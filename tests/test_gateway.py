@@ -5,8 +5,11 @@ forks, and bad requests as the API's own errors."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import gc
 import json
+import socket
 
 import anthropic
 import anyio
@@ -509,6 +512,47 @@ async def test_the_gateway_serves_its_counts_to_prometheus(encoder):
     assert samples[("turnstile_agent_sampling_ignored_total", (("field", "top_p"),))] == 1
     assert samples[("turnstile_agent_sessions", ())] == 1
     assert samples[("turnstile_agent_chains", (("waiting_for", "agent"),))] == 2  # both chains, between requests
+
+
+@pytest.mark.anyio
+async def test_the_connections_the_gateway_accepts_send_at_once(encoder):
+    """TCP_NODELAY on each connection the gateway accepts: with Nagle's algorithm a reply's body (and each streamed
+    event) waited for the client's delayed ACK, about 40 ms a request on a connection kept alive."""
+    gateway, _ = gateway_over(encoder, [sampled(encoder, "Sunny.")])
+    async with gateway.serving():
+        session = gateway.open_session()
+        async with httpx2.AsyncClient() as http:
+            url, body = f"{gateway.base_url(session)}/chat/completions", {"model": "policy", "messages": PROMPT}
+            reply = await http.post(url, json=body, headers={"Authorization": f"Bearer {session.key}"})
+            assert reply.status_code == 200
+            port = int(gateway.url.rsplit(":", 1)[1])
+            accepted = [
+                t.get_extra_info("socket")
+                for t in gc.get_objects()
+                if isinstance(t, asyncio.Transport)
+                and not t.is_closing()
+                and (t.get_extra_info("sockname") or (0, 0))[1] == port
+            ]
+            assert accepted  # the connection kept alive, the gateway's end of it
+            assert all(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for sock in accepted)
+        await gateway.finish(session.id)
+
+
+@pytest.mark.anyio
+async def test_a_sessions_tool_set_has_one_encoder(tokenizer):
+    """The scheduler (for the chain's prompt) and the gateway (for each reply) key the encoder of a tool set alike:
+    one encoder a tool set, built once, so the cache holds `max_tool_sets` tool sets, not half as many."""
+    encoder = ChatEncoder(tokenizer)  # its own: its cache is what is checked
+    gateway, _ = gateway_over(encoder, [sampled(encoder, "Sunny."), sampled(encoder, "Rainy.")])
+    async with gateway.serving():
+        session = gateway.open_session()
+        agent = client(gateway, session)
+        reply = await agent.chat.completions.create(model="policy", messages=PROMPT, tools=TOOLS)
+        more = [*PROMPT, reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "And?"}]
+        async for _ in await agent.chat.completions.create(model="policy", messages=more, tools=TOOLS, stream=True):
+            pass
+        await gateway.finish(session.id)
+    assert encoder.cached_tool_sets == 1
 
 
 class GatedBackend(ScriptedBackend):

@@ -16,11 +16,11 @@ import anyio
 import orjson
 from starlette.requests import Request
 
-from engine.agents.history import digest, key
+from engine.agents.history import key
 from engine.agents.limits import GatewayLimits, check_images, check_tools
 from engine.agents.request import RequestError
 from engine.agents.session import Asked
-from engine.encoding import images_of
+from engine.encoding import images_of, tools_key
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ def read_now(
             messages=messages,
             keys=[key(message) for message in messages],
             tools=tools,
-            tools_key=digest(tools) if tools else None,
+            tools_key=tools_key(tools) if tools else None,
             cap=parsed.turn_cap,
             stop=parsed.stop_strings,
             retry=retry,
