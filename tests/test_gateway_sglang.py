@@ -47,14 +47,24 @@ async def test_two_agents_through_the_router_keep_their_tokens_and_their_worker(
         gateway = Gateway(scheduler)
         async with gateway.serving():
             sessions = [gateway.open_session() for _ in range(2)]
-            clients = [
-                openai.AsyncOpenAI(base_url=gateway.base_url(s), api_key="unused", max_retries=0) for s in sessions
-            ]
+            clients = [openai.AsyncOpenAI(base_url=gateway.base_url(s), api_key=s.key, max_retries=0) for s in sessions]
             histories = [[{"role": "user", "content": f"Tell me a story about the number {i}."}] for i in range(2)]
 
+            streamed: list[int] = []
+
             async def ask(i: int) -> None:
-                reply = await clients[i].chat.completions.create(model="policy", messages=histories[i])
-                histories[i] += [reply.choices[0].message.model_dump(exclude_none=True)]
+                if i == 1:  # this agent streams: its reply as SGLang streams the turn's tokens
+                    stream = await clients[i].chat.completions.create(
+                        model="policy", messages=histories[i], stream=True
+                    )
+                    deltas = [
+                        c.choices[0].delta.content async for c in stream if c.choices and c.choices[0].delta.content
+                    ]
+                    streamed.append(len(deltas))
+                    histories[i] += [{"role": "assistant", "content": "".join(deltas)}]
+                else:
+                    reply = await clients[i].chat.completions.create(model="policy", messages=histories[i])
+                    histories[i] += [reply.choices[0].message.model_dump(exclude_none=True)]
                 histories[i] += [{"role": "user", "content": "Go on."}]
 
             for _ in range(2):
@@ -71,6 +81,7 @@ async def test_two_agents_through_the_router_keep_their_tokens_and_their_worker(
             chains = [await gateway.finish(s.id) for s in sessions]
             for agent in clients:
                 await agent.close()
+    assert len(streamed) == 3 and sum(streamed) > 3  # sent as generated, not whole at the turn's end
     routed = sessions_by_worker(sglang_workers)
     for (trajectory,) in chains:  # no fork: each agent's history continued its chain
         assert trajectory.status == Status.COMPLETED and len(trajectory.turns) == 3
