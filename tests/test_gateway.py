@@ -676,3 +676,25 @@ async def test_anthropic_count_tokens_counts_the_prompt_as_the_template_renders_
     expected = encoder.for_tools(TOOLS).encode_prompt(PROMPT).token_ids
     assert counted.input_tokens == len(expected) and backend.requests == []  # counted, nothing generated
     assert elsewhere.status_code == 404 and elsewhere.json()["error"]["type"] == "not_found_error"
+
+
+@pytest.mark.anyio
+async def test_parts_and_messages_of_older_or_other_kinds_are_served_or_left_out_and_counted(encoder):
+    """An audio part is left out of a text policy's prompt and counted, not refused; the deprecated function calling
+    (an assistant's `function_call`, a `function` message) is a tool call and its result."""
+    gateway, backend = gateway_over(encoder, [sampled(encoder, "Sunny.")])
+    audio = {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}
+    asked = [
+        {"role": "user", "content": [{"type": "text", "text": "How is the weather in Paris?"}, audio]},
+        {
+            "role": "assistant",
+            "content": None,
+            "function_call": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+        },
+        {"role": "function", "name": "get_weather", "content": "Sunny, 24 C."},
+    ]
+    async with gateway.serving():
+        reply = await client(gateway, gateway.open_session()).chat.completions.create(model="p", messages=asked)
+    assert reply.choices[0].message.content == "Sunny." and gateway.counts["degraded:part:input_audio"] == 1
+    prompt = encoder.tokenizer.decode(backend.requests[0].input_ids)
+    assert "How is the weather in Paris?" in prompt and "Sunny, 24 C." in prompt and "get_weather" in prompt

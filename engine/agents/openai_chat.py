@@ -79,9 +79,34 @@ class ChatRequest(DialectRequest):
         return chat_tools_of(self.tools, self)
 
     def chat_messages(self) -> list[dict[str, Any]]:
-        """The messages as templates and processors take them: `developer` as `system`, a legacy `function`
-        message as a tool message, `image_url` parts as image parts."""
-        return [_as_chat(message) for message in self.messages]
+        """The messages as templates and processors take them: `developer` as `system`, the deprecated
+        `function_call` and `function` message as a tool call and its result, `image_url` parts as image parts;
+        parts the policy cannot take (audio, files) left out and counted."""
+        return [self._as_chat(message) for message in self.messages]
+
+    def _as_chat(self, message: dict[str, Any]) -> dict[str, Any]:
+        role = message.get("role")
+        if role == "developer":
+            message = {**message, "role": "system"}
+        elif role == "function":  # the deprecated function calling: the result of the call named so
+            message = {"role": "tool", "tool_call_id": message.get("name"), "content": message.get("content")}
+        elif role == "assistant" and isinstance(message.get("function_call"), dict) and not message.get("tool_calls"):
+            call = message["function_call"]
+            message = {**message, "tool_calls": [{"id": call.get("name"), "type": "function", "function": call}]}
+        content = message.get("content")
+        if not isinstance(content, list):
+            return message
+        parts = []
+        for part in content:
+            kind = part["type"]
+            if kind == "image_url":
+                url = part["image_url"].get("url") if isinstance(part["image_url"], dict) else part["image_url"]
+                parts.append({"type": "image", "image": url})
+            elif kind in ("text", "refusal"):
+                parts.append({"type": "text", "text": part[kind]})
+            else:  # audio, a file: not the policy's
+                self.leave_out(f"part:{kind}")
+        return {**message, "content": parts}
 
     @property
     def turn_cap(self) -> int | None:
@@ -120,32 +145,12 @@ def _check_content(content: Any, where: str) -> None:
         raise ValueError(f"{where} is neither text nor a list of parts")
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind in ("text", "refusal") and isinstance(part.get(kind), str):
-            continue
-        if kind == "image_url" and isinstance(part.get("image_url"), dict | str):
-            continue
-        raise ValueError(f"{where}[{j}] is not a text or image_url part")
-
-
-def _as_chat(message: dict[str, Any]) -> dict[str, Any]:
-    role = message.get("role")
-    if role == "developer":
-        message = {**message, "role": "system"}
-    elif role == "function":  # the deprecated function-calling message: the tool result it is
-        message = {"role": "tool", "tool_call_id": message.get("name"), "content": message.get("content")}
-    content = message.get("content")
-    if not isinstance(content, list):
-        return message
-    parts = []
-    for part in content:
-        if part.get("type") == "image_url":
-            url = part["image_url"].get("url") if isinstance(part["image_url"], dict) else part["image_url"]
-            parts.append({"type": "image", "image": url})
-        elif part.get("type") == "refusal":
-            parts.append({"type": "text", "text": part["refusal"]})
-        else:
-            parts.append(part)
-    return {**message, "content": parts}
+        if not isinstance(kind, str):
+            raise ValueError(f"{where}[{j}] is not a content part (an object with a type)")
+        if kind in ("text", "refusal") and not isinstance(part.get(kind), str):
+            raise ValueError(f"{where}[{j}] is a {kind} part without its text")
+        if kind == "image_url" and not isinstance(part.get("image_url"), dict | str):
+            raise ValueError(f"{where}[{j}] is an image_url part without its URL")
 
 
 def message_of(turn: ParsedTurn, call_ids: list[str]) -> dict[str, Any]:

@@ -48,7 +48,7 @@ NAME = "a Responses request"
 ROLES = ("system", "developer", "user", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text", "refusal")
 CALLS = {"function_call": "function", "custom_tool_call": "custom", "tool_search_call": "tool_search"}
-OUTPUTS = ("function_call_output", "custom_tool_call_output", "tool_search_output", "local_shell_call_output")
+OUTPUTS = ("function_call_output", "custom_tool_call_output", "tool_search_output")  # of CALLS
 FREE_FORM = {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}
 
 
