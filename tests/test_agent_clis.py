@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -148,14 +147,13 @@ def test_claude_code_and_codex_through_turnstile_gateway_on_the_embedded_model(t
     """The command a user starts (the embedded tiny model: its turns are noise, cut at the rollout's cap and
     reported to the CLI as ended), each CLI in a session of its own named in its URL: both exit 0, nothing
     refused, each session's chain written when Ctrl-C finishes it."""
-    from tests.test_cli import read_lines, turnstile
-    from tests.test_gateway_command import started
+    from tests.test_cli import read_lines
+    from tests.test_gateway_command import gateway, interrupt, started
 
     claude, codex = cli("claude"), cli("codex")
     out, home, work = tmp_path / "sessions.jsonl", tmp_path / "home", tmp_path / "work"
     (home / ".codex").mkdir(parents=True), work.mkdir()
-    proc = turnstile("gateway", "--port", "0", "--out", str(out), "--metrics-port", "0")
-    try:
+    with gateway("--port", "0", "--out", str(out), "--metrics-port", "0") as proc:
         served = started(proc)
         anthropic_url, openai_url = (served[api].replace("/demo", "/claude-1") for api in ("anthropic", "openai"))
         env = {
@@ -175,12 +173,7 @@ def test_claude_code_and_codex_through_turnstile_gateway_on_the_embedded_model(t
             stdin=subprocess.DEVNULL,
         )  # fmt: skip
         assert done.returncode == 0, (done.stdout, done.stderr)
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        err = interrupt(proc)
     assert proc.returncode == 0 and "Traceback" not in err, err
     records = read_lines(out)
     assert sorted(r["metadata"]["session_id"] for r in records) == ["claude-1", "codex-1"]

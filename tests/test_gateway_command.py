@@ -5,10 +5,12 @@ rest, its last line counting what it wrote; the JSON lines `turnstile show` read
 
 from __future__ import annotations
 
+import contextlib
 import re
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import anthropic
 import httpx2
@@ -27,6 +29,24 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</
 def tokens(text: str) -> list[int]:
     tokenizer = load_tokenizer("qwen2.5")
     return [*tokenizer(text, add_special_tokens=False)["input_ids"], tokenizer.convert_tokens_to_ids("<|im_end|>")]
+
+
+@contextlib.contextmanager
+def gateway(*argv: str) -> Iterator[subprocess.Popen]:
+    """`turnstile gateway ARGV` as a terminal starts it; killed at the end if it is still running."""
+    proc = turnstile("gateway", *argv)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def interrupt(proc: subprocess.Popen) -> str:
+    """Ctrl-C, and what the process said on stderr once it ended."""
+    proc.send_signal(signal.SIGINT)
+    return proc.communicate(timeout=120)[1]
 
 
 def started(proc: subprocess.Popen) -> dict[str, str]:
@@ -54,8 +74,7 @@ def test_the_gateway_command_serves_sessions_and_writes_each_finished_one(tmp_pa
             Generate(token_ids=tokens(CALL)), Generate(token_ids=tokens("It is sunny in Paris.")),
             Generate(token_ids=tokens("Hello.")),
         )  # fmt: skip
-        proc = turnstile("gateway", "--url", server.url, "--tokenizer", "qwen2.5", "--port", "0", "--out", str(out))
-        try:
+        with gateway("--url", server.url, "--tokenizer", "qwen2.5", "--port", "0", "--out", str(out)) as proc:
             served = started(proc)
             assert served["openai"].startswith(served["url"]) and served["openai"].endswith("/sessions/demo/v1")
             # a session opened by its first request (the gateway's key), any name in the URL
@@ -83,12 +102,7 @@ def test_the_gateway_command_serves_sessions_and_writes_each_finished_one(tmp_pa
             with anthropic.Anthropic(base_url=opened["anthropic_base_url"], api_key=opened["key"], max_retries=0) as a:
                 reply = a.messages.create(model="policy", max_tokens=64, messages=[{"role": "user", "content": "Hi"}])
                 assert reply.content[0].text == "Hello."
-            proc.send_signal(signal.SIGINT)  # the open session is finished and written
-            _, err = proc.communicate(timeout=120)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+            err = interrupt(proc)  # the open session is finished and written
     assert proc.returncode == 0 and "Traceback" not in err, err
     last = err.splitlines()[-1]
     assert last == f"turnstile: stopped; 2 sessions finished, 2 chains {{'completed': 2}} written to {out}", err

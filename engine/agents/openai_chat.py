@@ -230,11 +230,7 @@ class Stream:
         return ": keep-alive\n\n"
 
     def end(self, message: dict[str, Any], info: TurnInfo, sent: Sent) -> str:
-        events = []
-        for kind, field in (("reasoning", "reasoning_content"), ("content", "content")):
-            text, had = message.get(field) or "", getattr(sent, kind)
-            if text.startswith(had) and len(text) > len(had):
-                events.append(self.piece(kind, text[len(had) :]))
+        events = [self.piece(kind, text) for kind, text in sent.rest(message)]
         for index, call in enumerate(message.get("tool_calls") or ()):
             function = ChoiceDeltaToolCallFunction(**call["function"])
             delta = ChoiceDelta(

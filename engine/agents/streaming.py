@@ -52,6 +52,15 @@ class Sent:
     content: str = ""
     diverged: bool = field(default=False)  # a later reading of the text did not extend what was sent
 
+    def rest(self, message: dict[str, Any]) -> list[tuple[str, str]]:
+        """The pieces of the turn's final message (its reasoning_content, its content) not sent yet."""
+        pieces = []
+        for kind, field_name in (("reasoning", "reasoning_content"), ("content", "content")):
+            text, had = message.get(field_name) or "", getattr(self, kind)
+            if text.startswith(had) and len(text) > len(had):
+                pieces.append((kind, text[len(had) :]))
+        return pieces
+
 
 class StreamSplitter:
     """The sendable reasoning and content of a turn, as its tokens arrive (the module's docstring)."""
