@@ -44,9 +44,10 @@ from engine.agents.metrics import GatewayCollector
 from engine.agents.request import RequestError, TurnInfo
 from engine.agents.session import Asked, Chain, Session, SessionEnv
 from engine.agents.streaming import StreamSplitter
-from engine.agents.wire import presented_key, read, read_body, says_retry
+from engine.agents.wire import drain, presented_key, read, read_body, says_retry
 from engine.envs.base import EnvRunner
 from engine.gc_freeze import freeze_long_lived
+from engine.multimodal import BoundedCache
 from engine.parsers import MalformedCall, ParsedTurn
 from engine.scheduler.scheduler import Scheduler
 from engine.trajectory import Status, StopReason, Trajectory
@@ -58,6 +59,7 @@ log = logging.getLogger(__name__)
 KEEP_ALIVE_S = 75.0
 SHUTDOWN_S = 10.0  # at the end of serving, how long requests still open are given before they are cancelled
 STREAM_PING_S = 10.0  # a streamed reply with nothing new this long sends a keep-alive (a client's idle timeout)
+DECODED_IMAGES = 100_000  # digests of images that decoded, kept so that a conversation's are decoded once
 APIS = {"chat/completions": openai_chat, "responses": openai_responses, "messages": anthropic_messages}
 
 
@@ -104,6 +106,7 @@ class Gateway:
         self._public_url: str | None = None
         self._tasks: anyio.abc.TaskGroup | None = None
         self._unanswered: set[Answer] = set()  # requests waiting for their turn (failed when serving ends)
+        self._decoded_images = BoundedCache[str, bool](DECODED_IMAGES, size=lambda _: 1)  # digests: wire.read
         self.registry = CollectorRegistry(auto_describe=False)
         self.collector = GatewayCollector(self)
         self.registry.register(self.collector)
@@ -270,11 +273,15 @@ class Gateway:
 
     async def _serve(self, request: Request, api: Any) -> Response:
         """One request of an API (a dialect module): read, routed to its chain, answered whole or streamed."""
-        session = self._session(request)
+        try:
+            session = self._session(request)
+        except RequestError:  # a wrong key, an unknown session: the answer reaches its client (wire.drain)
+            await drain(request, self.limits.max_body_bytes)
+            raise
         body = await read_body(request, self.limits.max_body_bytes)
         parsed, asked = await read(
             api, body, limits=self.limits, client_sampling=self.client_sampling, retry=says_retry(request),
-            images=self.scheduler.encoder.processor is not None,
+            images=self.scheduler.encoder.processor is not None, decoded=self._decoded_images,
         )  # fmt: skip
         for name in parsed.sampling_asked():
             self.counts[f"sampling_ignored:{name}"] += 1
