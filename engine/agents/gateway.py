@@ -149,13 +149,15 @@ class Gateway:
 
     async def finish_session(self, session: Session, *, abort: bool = False) -> list[Trajectory]:
         """`finish` for a session (finished already or not: the same trajectories). The chains the gateway drives
-        are waited for; with `abort`, one still generating is ended at once (ABORTED: its agent is gone). A `main`
-        chain is its caller's."""
+        are waited for; with `abort`, one not waiting for its agent (generating, or waiting to) is ended at once
+        (ABORTED: its agent is gone), while one waiting for its agent ends as the session does. A `main` chain is
+        its caller's."""
         self.sessions.pop(session.id, None)
         session.closed = True
         for chain in session.chains:
+            busy = not chain.waiting
             await chain.end()
-            if abort and chain.drive_scope is not None:
+            if abort and busy and chain.drive_scope is not None:
                 chain.drive_scope.cancel()
         for chain in session.chains:
             if chain.drive_ended is not None:
