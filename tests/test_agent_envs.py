@@ -11,10 +11,12 @@ every process it started is gone afterwards."""
 from __future__ import annotations
 
 import anyio
+import openai
 import psutil
 import pytest
 
-from engine.agents.env import AgentHost
+from engine.agents.env import AgentEnv, AgentHost, AgentRun
+from engine.backends.base import GenerateResult
 from engine.config import EngineConfig
 from engine.encoding import ChatEncoder
 from engine.engine import RolloutEngine
@@ -121,6 +123,101 @@ async def test_a_compacted_history_forks_a_chain_kept_beside_the_sample(encoder,
     assert summary["multi_turn/agent/forks"] == 1
     assert summary["multi_turn/agent/fork_tokens_untrained"] == fork.num_generated
     assert alive(agent.pids()) == []
+
+
+class HeldFork(ScriptedBackend):
+    """Answers every prompt with `answer`, but for a fork's (the compacted history's): that one it holds until
+    it is aborted or cancelled (a long generation). `running` counts the generations under way."""
+
+    def __init__(self, encoder: ChatEncoder, answer: str):
+        super().__init__([])
+        self.encoder, self.answer = encoder, answer
+        self.running = 0
+        self.holding, self.aborted = anyio.Event(), anyio.Event()
+
+    async def generate(self, input_ids, sampling_params, image_data=None, **options):
+        self.running += 1
+        try:
+            if "Anything else" in self.encoder.tokenizer.decode(input_ids):
+                self.holding.set()
+                await self.aborted.wait()
+                return GenerateResult([], [], "", "abort", self.weight_version_, prompt_tokens=len(input_ids))
+            ids = self.encoder.tokenizer(self.answer, add_special_tokens=False)["input_ids"]
+            self.replies = [[*ids, self.encoder.end_of_turn_id]]
+            return await super().generate(input_ids, sampling_params, image_data, **options)
+        finally:
+            self.running -= 1
+
+    async def abort(self, rid=None) -> None:
+        self.aborted.set()
+
+
+class ForkThenExit(AgentEnv):
+    """Asks once, then asks again with its history compacted (a fork of its session, whose generation the
+    backend holds) and exits as soon as that generation runs, its request still open (in the test's `requests`).
+    Its `aclose` is where a container would be ended."""
+
+    timeout_s = 60.0
+    close_timeout_s = 1.0  # the bound on its aclose (and so on its env's close)
+
+    def __init__(self, backend: HeldFork, requests: anyio.abc.TaskGroup, *, hang_in_aclose: bool = False):
+        self.backend, self.requests, self.hang_in_aclose = backend, requests, hang_in_aclose
+        self.closed = False
+        self.fork_error: Exception | None = None
+
+    async def run(self, agent: AgentRun) -> dict:
+        client = openai.AsyncOpenAI(base_url=agent.base_url, api_key=agent.api_key, max_retries=0)
+        first = await client.chat.completions.create(model=agent.model, messages=PARIS)
+        compacted = [
+            PARIS[0],
+            {"role": "user", "content": f"So far: {first.choices[0].message.content} Anything else?"},
+        ]
+        self.requests.start_soon(self._ask, client, compacted)
+        await self.backend.holding.wait()
+        return {"reward": 1.0}
+
+    async def _ask(self, client: openai.AsyncOpenAI, messages: list[dict]) -> None:
+        try:
+            await client.chat.completions.create(model="policy", messages=messages)
+        except openai.APIError as error:
+            self.fork_error = error
+        finally:
+            await client.close()
+
+    async def aclose(self) -> None:
+        self.closed = True
+        if self.hang_in_aclose:  # a container that will not stop
+            await anyio.sleep_forever()
+
+
+PARIS = [
+    {"role": "system", "content": "You answer questions about the weather."},
+    {"role": "user", "content": "How is the weather in Paris?"},
+]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("hang_in_aclose", [False, True])
+async def test_closing_an_agent_env_ends_its_running_forks_and_runs_its_aclose(encoder, hang_in_aclose):
+    """The agent exits while a fork it made still generates: the env's close ends the fork at once (ABORTED, its
+    open request an error) rather than waiting for it past the close's bound, and the env's `aclose` runs; an
+    `aclose` that hangs is cut at its own bound (recorded on the sample) and the fork still ends."""
+    backend = HeldFork(encoder, "It is sunny in Paris.")
+    async with anyio.create_task_group() as requests:
+        agent = ForkThenExit(backend, requests, hang_in_aclose=hang_in_aclose)
+        async with engine_over(encoder, backend, lambda sample: EnvRunner(agent), task_rows(1)) as engine:
+            with anyio.fail_after(30):
+                (group,) = await engine.rollout(1)
+            (trajectory,) = group.trajectories
+            (fork,) = trajectory.forks
+            assert trajectory.status is Status.COMPLETED and trajectory.reward == 1.0, trajectory.errors
+            assert agent.closed  # the user's aclose ran
+            cut = [e.message for e in trajectory.errors if "aclose still ran at its bound" in e.message]
+            assert len(cut) == hang_in_aclose and len(trajectory.errors) == hang_in_aclose
+            assert fork.status is Status.ABORTED and fork.metadata["fork_cause"] == "edited"
+            assert backend.running == 0 and engine.scheduler.statistics().phases == {}  # nothing left running
+            assert AgentHost.of(engine.env_host).gateway.sessions == {}
+    assert isinstance(agent.fork_error, openai.APIStatusError) and agent.fork_error.status_code == 409
 
 
 @pytest.mark.anyio

@@ -1060,6 +1060,9 @@ TOOL_USE = [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]
 DEEP: dict = {"type": "string"}
 for _ in range(60):
     DEEP = {"type": "object", "properties": {"a": DEEP}}
+NEST: list = []
+for _ in range(100):
+    NEST = [NEST]
 AGENT_CASES = [  # the API, the body, the status, the error message (or its start)
     pytest.param(CHAT, {"messages": USER}, 404, "no open session 'nobody'", id="unknown-session"),
     pytest.param(CHAT, b"{oops", 400, "the body is not JSON", id="not-json"),
@@ -1075,6 +1078,18 @@ AGENT_CASES = [  # the API, the body, the status, the error message (or its star
     pytest.param(
         CHAT, {"messages": [{"role": "tool", "content": "x"}]}, 400,
         "messages[0] is a tool message without tool_call_id", id="tool-message-without-id",
+    ),
+    pytest.param(
+        CHAT, {"messages": [{"role": "tool", "tool_call_id": {"id": "call_9"}, "content": "x"}]}, 400,
+        "messages[0] is a tool message without tool_call_id (a string)", id="tool-call-id-not-a-string",
+    ),
+    pytest.param(
+        CHAT, {"messages": [{"role": "user"}]}, 400, "messages[0] is a user message without content",
+        id="message-without-content",
+    ),
+    pytest.param(
+        CHAT, {"messages": [{"role": "user", "content": "x", "name": NEST}]}, 400,
+        "message 1 of the conversation is nested deeper than 64 levels", id="message-nested-too-deep",
     ),
     pytest.param(
         CHAT, {"messages": [*USER, {"role": "tool", "tool_call_id": "call_9", "content": "42"}]}, 400,

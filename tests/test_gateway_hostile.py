@@ -14,7 +14,7 @@ import anyio
 import httpx2
 import openai
 import pytest
-from PIL import Image
+from PIL import Image, ImageFile
 
 from engine.agents import history
 from engine.encoding import ChatEncoder
@@ -447,3 +447,158 @@ async def test_a_request_without_its_sessions_key_is_refused(encoder):
         reply = await client(gateway, session).chat.completions.create(model="p", messages=PROMPT)
         assert reply.choices[0].message.content == "Sunny."
     assert len(backend.requests) == 1 and gateway.counts["bad_requests:401"] == 2
+
+
+# -- 15-19. found by the property test (tests/test_gateway_properties.py) ------------------------------------
+
+
+async def post_raw(gateway, session, path: str, body: dict | bytes, **headers) -> httpx2.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    headers = {"Authorization": f"Bearer {key_of(session)}", "Content-Type": "application/json", **headers}
+    async with httpx2.AsyncClient(base_url=gateway.base_url(session), timeout=60) as http:
+        return await http.post(path, content=content, headers=headers)
+
+
+@pytest.mark.anyio
+async def test_call_ids_and_a_functions_name_that_are_no_strings_are_refused(encoder):
+    """A tool message answering a call id that was an object failed the request with a 500 (unhashable)."""
+    gateway, _ = gateway_over(encoder, [])
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    conversations = [
+        [
+            *PROMPT,
+            {"role": "assistant", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": {"a": 1}, "content": "x"},
+        ],
+        [*PROMPT, {"role": "assistant", "tool_calls": [{**call, "id": ["call_1"]}]}],
+        [*PROMPT, {"role": "function", "name": {"type": "object"}, "content": "Sunny."}],
+    ]
+    async with gateway.serving():
+        session = gateway.open_session()
+        replies = [
+            await post_raw(gateway, session, "/chat/completions", {"model": "p", "messages": m}) for m in conversations
+        ]
+        await still_serves(gateway, encoder)
+    assert [reply.status_code for reply in replies] == [400, 400, 400], [reply.text for reply in replies]
+    assert all("string" in reply.json()["error"]["message"] for reply in replies)
+    assert gateway.counts["internal_errors"] == 0
+
+
+def nest(depth: int) -> str:
+    return "[" * depth + "1" + "]" * depth
+
+
+@pytest.mark.anyio
+async def test_a_message_nested_past_the_bound_is_refused_not_its_chain_failed(encoder):
+    """Arguments nested 700 levels deep read as JSON, then failed the chain's template (RecursionError): a 502."""
+    gateway, _ = gateway_over(encoder, [])
+    deep = nest(700)
+    call = f'{{"id": "c1", "type": "function", "function": {{"name": "get_weather", "arguments": {deep}}}}}'
+    chat = (
+        f'{{"model": "p", "messages": [{json.dumps(PROMPT[1])}, {{"role": "assistant", "tool_calls": [{call}]}}, '
+        '{"role": "tool", "tool_call_id": "c1", "content": "Sunny."}]}'
+    )
+    messages = (
+        f'{{"model": "p", "max_tokens": 8, "messages": [{json.dumps(PROMPT[1])}, {{"role": "assistant", "content": '
+        f'[{{"type": "tool_use", "id": "t1", "name": "get_weather", "input": {{"a": {deep}}}}}]}}, {{"role": "user", '
+        '"content": [{"type": "tool_result", "tool_use_id": "t1", "content": "Sunny."}]}]}'
+    )
+    responses = (
+        f'{{"model": "p", "input": [{{"type": "function_call", "call_id": "c1", "name": "f", "arguments": {deep}}}, '
+        '{"type": "function_call_output", "call_id": "c1", "output": "Sunny."}]}'
+    )
+    async with gateway.serving():
+        session = gateway.open_session()
+        replies = [
+            await post_raw(gateway, session, path, body.encode())
+            for path, body in (("/chat/completions", chat), ("/messages", messages), ("/responses", responses))
+        ]
+        await still_serves(gateway, encoder)
+    assert [reply.status_code for reply in replies] == [400, 400, 400], [reply.text[:300] for reply in replies]
+    assert all("nested deeper than 64 levels" in reply.text for reply in replies)
+    assert len(gateway.scheduler.backend.requests) == 1 and session.chains == []  # still_serves' alone
+
+
+def cut_image(kind: str) -> str:
+    """An image whose header reads (its size is known) and whose pixels are cut short."""
+    buffer = io.BytesIO()
+    Image.frombytes("RGB", (32, 32), bytes(range(256)) * 12).save(buffer, format=kind)
+    data = buffer.getvalue()
+    return f"data:image/{kind.lower()};base64," + base64.b64encode(data[: len(data) * 2 // 3]).decode("ascii")
+
+
+@pytest.mark.anyio
+async def test_an_image_cut_short_or_too_thin_is_refused_not_its_chain_failed(processor):
+    """A truncated image's header read, so it passed the gateway and failed its chain when decoded (a 502); an
+    image 1x300 failed in the processor (aspect ratio past 200)."""
+    vision = ChatEncoder(processor.tokenizer, processor=processor)
+    gateway, backend = gateway_over(vision, [])
+    async with gateway.serving():
+        session = gateway.open_session()
+        errors = []
+        for url in (cut_image("PNG"), cut_image("JPEG"), cut_image("BMP"), png(1, 300)):
+            with pytest.raises(openai.BadRequestError) as raised:
+                await client(gateway, session).chat.completions.create(model="p", messages=[picture_message(url)])
+            errors.append(raised.value.message)
+        await still_serves(gateway, vision)
+    assert [("does not decode" in e, "times the other" in e) for e in errors] == [(True, False)] * 3 + [(False, True)]
+    assert len(backend.requests) == 1 and session.chains == []
+
+
+@pytest.mark.anyio
+async def test_an_image_that_decoded_is_not_decoded_again():
+    """A conversation sends its images again with every request: each is decoded (to check it) once."""
+    from engine.agents.limits import GatewayLimits, check_images
+    from engine.multimodal import BoundedCache
+
+    decoded = BoundedCache(100, size=lambda _: 1)
+    messages = [{"role": "user", "content": [{"type": "image", "image": png(8, 8)}]}]  # as the dialects read it
+    loads = []
+    load = ImageFile.ImageFile.load
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ImageFile.ImageFile, "load", lambda image: loads.append(image) or load(image))
+        check_images(messages, GatewayLimits(), decoded)
+        first = len(loads)
+        check_images(messages, GatewayLimits(), decoded)
+    assert first > 0 and len(loads) == first
+
+
+@pytest.mark.anyio
+async def test_a_new_message_without_content_is_refused_and_its_chain_goes_on(encoder):
+    """A user message with no content, continuing a chain, failed that chain (its observation did not format):
+    the agent's trained chain ended FAILED on a malformed request."""
+    turns = [sampled(encoder, "Sunny."), sampled(encoder, "Warm, too.")]
+    gateway, _ = gateway_over(encoder, list(turns))
+    async with gateway.serving():
+        session = gateway.open_session()
+        agent = client(gateway, session)
+        first = await agent.chat.completions.create(model="p", messages=PROMPT)
+        asked = [*PROMPT, first.choices[0].message.model_dump(exclude_none=True)]
+        bad = await post_raw(
+            gateway, session, "/chat/completions", {"model": "p", "messages": [*asked, {"role": "user"}]}
+        )
+        again = await agent.chat.completions.create(model="p", messages=[*asked, {"role": "user", "content": "And?"}])
+        (chain,) = await gateway.finish(session.id)
+    assert bad.status_code == 400 and "without content" in bad.json()["error"]["message"]
+    assert again.choices[0].message.content == "Warm, too."
+    assert chain.status == Status.COMPLETED and session.forks == {}
+    assert_sampled_exactly(chain, turns)
+
+
+@pytest.mark.anyio
+async def test_a_refusal_before_the_body_is_read_reaches_a_client_that_closes(encoder):
+    """Refused before its body was read (a wrong key), a request that said `Connection: close` had its connection
+    closed with the body unread in it: reset, the client lost the 401 (a connection error instead)."""
+    gateway, _ = gateway_over(encoder, [])
+    body = json.dumps({"model": "p", "messages": [{"role": "user", "content": "x" * (8 << 20)}]}).encode()
+    async with gateway.serving():
+        session = gateway.open_session()
+        replies = [
+            await post_raw(
+                gateway, session, "/chat/completions", body, Authorization="Bearer sk-wrong", Connection="close"
+            )
+            for _ in range(5)
+        ]
+        await still_serves(gateway, encoder)
+    assert [reply.status_code for reply in replies] == [401] * 5
+    assert all(reply.json()["error"]["code"] == "invalid_api_key" for reply in replies)

@@ -23,7 +23,8 @@ before the env's step timeout (`timeout_s` + `CLOSE_GRACE_S`), so the agent's de
 fires. An agent that crashes (`run` raises, or a process it ran exits non-zero), hangs past its deadline or
 exits before its first request is an AGENT error: its trajectory ends FAILED, retried with a fresh agent only
 before its first request (`retry.per_turn.agent`), nothing else affected, and every process `run_process`
-started is gone afterwards (engine/agents/process.py).
+started is gone afterwards (engine/agents/process.py). The env's close then runs `AgentEnv.aclose` (bounded by
+`close_timeout_s`) and ends the session: its forks still generating are ended at once (ABORTED), not waited for.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 CLOSE_GRACE_S = 30.0  # past the agent's deadline, the time its end (killing, reaping) may take
+FORKS_END_S = 5.0  # past the env's own close (`AgentEnv.aclose`), the time its session's forks may take to end
 
 
 class AgentFailed(Exception):
@@ -59,6 +61,7 @@ class AgentEnv:
     """An agent program for one sample: `run` starts it with its session's addresses and returns its info."""
 
     timeout_s: float = 1800.0  # the agent's deadline, from its start
+    close_timeout_s: float = 10.0  # the bound on `aclose`
 
     async def run(self, agent: AgentRun) -> Mapping[str, Any] | None:
         raise NotImplementedError
@@ -205,6 +208,7 @@ class AgentHost:
             AgentSessionEnv(self, env, trajectory, sample),
             step_timeout=env.timeout_s + CLOSE_GRACE_S,
             name=name,
+            close_timeout=env.close_timeout_s + FORKS_END_S,
         )
 
     def count(self, outcome: str) -> None:
@@ -260,13 +264,20 @@ class AgentSessionEnv(SessionEnv):
         return {}, True, dict(self.outcome.info)
 
     async def aclose(self) -> None:
-        """The agent ended (its processes gone), then the session: the forks it made end and are waited for."""
+        """The agent ended (its processes gone), then what it left (the env's `aclose`, within its own bound,
+        whatever the forks do), then its session: the forks it made end at once, ABORTED if still generating (a
+        long turn would hold the close past its bound), and a request still open gets an error."""
         await self._stop()
-        if self.session is not None:
-            await self.host.gateway.finish_session(self.session)
-            if self.session.chains:
-                self.session.chains[0].turn_ended()  # a request still waiting for a turn learns there is none
-        await self.agent.aclose()
+        try:
+            with anyio.move_on_after(self.agent.close_timeout_s, shield=True) as bound:
+                await self.agent.aclose()
+            if bound.cancelled_caught:
+                raise TimeoutError(f"aclose still ran at its bound, close_timeout_s ({self.agent.close_timeout_s:g} s)")
+        finally:
+            if self.session is not None:
+                await self.host.gateway.finish_session(self.session, abort=True)
+                if self.session.chains:
+                    self.session.chains[0].turn_ended()  # a request still waiting for a turn learns there is none
 
     def _error(self) -> EnvError:
         outcome = self.outcome or _Outcome("crashed", message="the agent ended without an outcome")

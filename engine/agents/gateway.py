@@ -45,9 +45,10 @@ from engine.agents.metrics import GatewayCollector
 from engine.agents.request import RequestError, TurnInfo
 from engine.agents.session import Asked, Chain, Session, SessionEnv
 from engine.agents.streaming import StreamSplitter
-from engine.agents.wire import presented_key, read, read_body, says_retry
+from engine.agents.wire import drain, presented_key, read, read_body, says_retry
 from engine.envs.base import EnvRunner
 from engine.gc_freeze import freeze_long_lived
+from engine.multimodal import BoundedCache
 from engine.parsers import MalformedCall, ParsedTurn
 from engine.scheduler.scheduler import Scheduler
 from engine.trajectory import Status, StopReason, Trajectory
@@ -59,6 +60,7 @@ log = logging.getLogger(__name__)
 KEEP_ALIVE_S = 75.0
 SHUTDOWN_S = 10.0  # at the end of serving, how long requests still open are given before they are cancelled
 STREAM_PING_S = 10.0  # a streamed reply with nothing new this long sends a keep-alive (a client's idle timeout)
+DECODED_IMAGES = 100_000  # digests of images that decoded, kept so that a conversation's are decoded once
 APIS = {api.PATH: api for api in (openai_chat, openai_responses, anthropic_messages)}  # under /sessions/<id>/v1/
 
 
@@ -107,6 +109,7 @@ class Gateway:
         self._public_url: str | None = None
         self._tasks: anyio.abc.TaskGroup | None = None
         self._unanswered: set[Answer] = set()  # requests waiting for their turn (failed when serving ends)
+        self._decoded_images = BoundedCache[str, bool](DECODED_IMAGES, size=lambda _: 1)  # digests: wire.read
         self.registry = CollectorRegistry(auto_describe=False)
         self.collector = GatewayCollector(self)
         self.registry.register(self.collector)
@@ -152,14 +155,16 @@ class Gateway:
 
     async def finish_session(self, session: Session, *, abort: bool = False) -> list[Trajectory]:
         """`finish` for a session (finished already or not: the same trajectories). The chains the gateway drives
-        are waited for; with `abort`, one still generating is ended at once (ABORTED: its agent is gone). A `main`
-        chain is its caller's."""
+        are waited for; with `abort`, one not waiting for its agent (generating, or waiting to) is ended at once
+        (ABORTED: its agent is gone), while one waiting for its agent ends as the session does. A `main` chain is
+        its caller's."""
         first = not session.closed
         self.sessions.pop(session.id, None)
         session.closed = True
         for chain in session.chains:
+            busy = not chain.waiting
             await chain.end()
-            if abort and chain.drive_scope is not None:
+            if abort and busy and chain.drive_scope is not None:
                 chain.drive_scope.cancel()
         for chain in session.chains:
             if chain.drive_ended is not None:
@@ -259,7 +264,7 @@ class Gateway:
     async def _finish(self, request: Request) -> Response:
         """`POST /sessions/<id>/finish` with its key (or the gateway's): the session finished, its chains counted."""
         try:
-            session = self._session(request)
+            session = await self._session(request)
         except RequestError as error:
             return _error(error.body(), error.status)
         chains = await self.finish_session(session)
@@ -270,7 +275,7 @@ class Gateway:
     async def _count_tokens(self, request: Request) -> Response:
         """Anthropic's `POST /v1/messages/count_tokens`: the prompt's tokens as the policy's template renders them."""
         try:
-            self._session(request, "messages/count_tokens")
+            await self._session(request, "messages/count_tokens")
             body = await read_body(request, self.limits.max_body_bytes)
             _, asked = await read(
                 anthropic_messages, body, limits=self.limits, client_sampling="ignore", retry=False,
@@ -295,8 +300,16 @@ class Gateway:
     def _is_own_key(self, given: str | None) -> bool:
         return given is not None and hmac.compare_digest(given.encode(), self.key.encode())
 
-    def _session(self, request: Request, api: str | None = None) -> Session:
-        """The session a request is for, once its key is the session's or the gateway's (counted by `api`)."""
+    async def _session(self, request: Request, api: str | None = None) -> Session:
+        """The session a request is for, once its key is the session's or the gateway's (counted by `api`). A
+        request turned away is read to its end first (up to the body bound), so the answer reaches its client."""
+        try:
+            return self._session_now(request, api)
+        except RequestError:
+            await drain(request, self.limits.max_body_bytes)
+            raise
+
+    def _session_now(self, request: Request, api: str | None) -> Session:
         if api is not None:
             self.counts[f"requests:{api}"] += 1
         given, session_id = presented_key(request), request.path_params["session_id"]
@@ -333,11 +346,11 @@ class Gateway:
 
     async def _serve(self, request: Request, api: Any) -> Response:
         """One request of an API (a dialect module): read, routed to its chain, answered whole or streamed."""
-        session = self._session(request, api.PATH)
+        session = await self._session(request, api.PATH)
         body = await read_body(request, self.limits.max_body_bytes)
         parsed, asked = await read(
             api, body, limits=self.limits, client_sampling=self.client_sampling, retry=says_retry(request),
-            images=self.scheduler.encoder.processor is not None,
+            images=self.scheduler.encoder.processor is not None, decoded=self._decoded_images,
         )  # fmt: skip
         for name in parsed.sampling_asked():
             self.counts[f"sampling_ignored:{name}"] += 1

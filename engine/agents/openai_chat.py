@@ -63,16 +63,22 @@ class ChatRequest(DialectRequest):
             role = message.get("role")
             if role not in ROLES:
                 raise ValueError(f"messages[{i}].role is {role!r}; one of {', '.join(ROLES)}")
-            if role == "tool" and not message.get("tool_call_id"):
-                raise ValueError(f"messages[{i}] is a tool message without tool_call_id")
+            if role == "tool" and not _is_id(message.get("tool_call_id")):
+                raise ValueError(f"messages[{i}] is a tool message without tool_call_id (a string)")
+            if role == "function" and not _is_id(message.get("name")):
+                raise ValueError(f"messages[{i}] is a function message without its function's name (a string)")
+            if role != "assistant" and "content" not in message:  # an observation is a message with content
+                raise ValueError(f"messages[{i}] is a {role} message without content")
             _check_content(message.get("content"), f"messages[{i}].content")
             calls = message.get("tool_calls") or []
             if not isinstance(calls, list):
                 raise ValueError(f"messages[{i}].tool_calls is not a list")
             for j, call in enumerate(calls):
                 function = call.get("function") if isinstance(call, dict) else None
-                if not (isinstance(function, dict) and isinstance(function.get("name"), str) and call.get("id")):
-                    raise ValueError(f"messages[{i}].tool_calls[{j}] needs an id and a function name")
+                if not (
+                    isinstance(function, dict) and isinstance(function.get("name"), str) and _is_id(call.get("id"))
+                ):
+                    raise ValueError(f"messages[{i}].tool_calls[{j}] needs an id and a function name (strings)")
         return messages
 
     def chat_tools(self) -> list[dict[str, Any]] | None:
@@ -136,6 +142,11 @@ def read_request(raw: Any, *, client_sampling: Literal["ignore", "refuse"] = "ig
 
 def error_body(error: RequestError) -> dict[str, Any]:
     return error.body()
+
+
+def _is_id(value: Any) -> bool:
+    """A call's id (or a legacy function's name) as the API has it: a non-empty string."""
+    return isinstance(value, str) and bool(value)
 
 
 def _check_content(content: Any, where: str) -> None:

@@ -4,11 +4,13 @@ body holds, reading it raises RequestError (a 400 in the API's own format) and n
 
     key = presented_key(request)                          # x-api-key, or Authorization: Bearer
     body = await read_body(request, limits.max_body_bytes)   # RequestError 413 past the bound
+    await drain(request, limits.max_body_bytes)              # or dropped, for a request refused unread
     parsed, asked = await read(api, body, limits=limits, client_sampling="ignore", retry=False)
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
@@ -17,10 +19,11 @@ import orjson
 from starlette.requests import Request
 
 from engine.agents.history import key
-from engine.agents.limits import GatewayLimits, check_images, check_tools
+from engine.agents.limits import GatewayLimits, check_images, check_messages, check_tools
 from engine.agents.request import RequestError
 from engine.agents.session import Asked
 from engine.encoding import images_of, tools_key
+from engine.multimodal import BoundedCache
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +60,14 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+async def drain(request: Request, limit: int) -> None:
+    """Read the body (up to `limit` bytes) and drop it, for a request refused before it was read: a connection
+    closed with a request's bytes unread in it (as a server closes it after answering a request that said
+    `Connection: close`) is reset, and its client loses the answer it was sent."""
+    with contextlib.suppress(RequestError):
+        await read_body(request, limit)
+
+
 def _too_large(size: str, limit: int) -> RequestError:
     return RequestError(
         f"the request body is {size} bytes, more than the {limit} bytes a request may send",
@@ -82,10 +93,12 @@ def read_now(
     retry: bool,
     images: bool,
     defaults: dict[str, Any] | None = None,
+    decoded: BoundedCache[str, bool] | None = None,
 ) -> tuple[Any, Asked]:
     """The body as the API's request model and as the conversation a session matches; RequestError naming what
     is wrong, whatever the body holds. `images`: whether the policy takes images (a VLM's processor); `defaults`:
-    fields a body may leave out here (a token count's `max_tokens`)."""
+    fields a body may leave out here (a token count's `max_tokens`); `decoded`: the images earlier requests
+    showed to decode (`check_images`)."""
     try:
         raw = parse_json(body)
         if defaults and isinstance(raw, dict):
@@ -95,11 +108,12 @@ def read_now(
         if not messages:
             raise RequestError("the request holds no message the policy can read", param="messages")
         check_tools(tools, limits)
+        check_messages(messages, limits)
         if not images and images_of(messages):
             raise RequestError(
                 "the request holds images, but the policy takes none (no VLM processor)", param="messages"
             )
-        check_images(messages, limits)
+        check_images(messages, limits, decoded)
         asked = Asked(
             messages=messages,
             keys=[key(message) for message in messages],

@@ -114,12 +114,14 @@ class EnvRunner:
         step_timeout: float | None = None,
         limiter: anyio.CapacityLimiter | None = None,
         name: str | None = None,
+        close_timeout: float = 10.0,
     ):
         if not callable(getattr(env, "step", None)) and not callable(getattr(env, "astep", None)):
             raise TypeError(f"env {type(env).__name__} has neither step() nor astep()")
         self.env = env
         self.name = name or type(env).__name__
         self.step_timeout = step_timeout
+        self.close_timeout = close_timeout  # the bound on `close`
         self.limiter = limiter  # worker threads for sync envs; None: anyio's default (40 threads)
         self.deadlines: Deadlines | None = None  # the engine's shared timeout watcher; None: a timer per call
         self.abandoned_calls: AbandonedCalls | None = None  # the engine's registry of calls left running
@@ -181,15 +183,16 @@ class EnvRunner:
             )
         return message
 
-    async def close(self, timeout: float = 10.0) -> None:
-        """Close the env, shielded from cancellation and bounded by `timeout`. Raises EnvError.
+    async def close(self, timeout: float | None = None) -> None:
+        """Close the env, shielded from cancellation and bounded by `timeout` (default `close_timeout`). Raises
+        EnvError.
 
         An env whose call timed out and still runs in its thread is not waited for: that thread closes
         it once the call returns (closing under the call could break either), and a failing close there
         is logged, its trajectory having ended."""
         if self._abandoned is not None and self._abandoned.then(self._close_in_thread):
             return
-        with anyio.move_on_after(timeout, shield=True):
+        with anyio.move_on_after(self.close_timeout if timeout is None else timeout, shield=True):
             await self._call("close")
 
     def _close_in_thread(self) -> None:
