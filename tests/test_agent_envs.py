@@ -368,3 +368,28 @@ def test_an_agent_command_runs_per_sample_with_its_placeholders_and_a_reward_com
     records = read_lines(out)
     assert [(r["status"], r["reward"]) for r in records] == [("completed", 1.0), ("completed", 1.0)], records
     assert all(r["prompt_text"].endswith("<|im_start|>assistant\n") for r in records)  # the agent's request
+
+
+def test_an_agent_command_under_slime_is_a_top_level_key_or_one_of_the_turnstile_section():
+    """slime sets each top-level key of its custom config on its args (slime/utils/arguments.py at 624b824), which
+    envs are built with: `agent_command:` there, with `rollout_interaction_env_path: agent_command`; or
+    `turnstile: {agent_command: ...}`, which alone makes the env agent_command, and with another env is refused."""
+    from types import SimpleNamespace
+
+    from bridge.settings import settings_from_args
+    from engine.envs.agent_command import build_env
+    from engine.envs.loader import EnvSample
+
+    sample = EnvSample(prompt=[{"role": "user", "content": "Fix the bug."}])
+    top = SimpleNamespace(rollout_interaction_env_path="agent_command", agent_command="claude -p {prompt}")
+    assert settings_from_args(top).env_path == "engine.envs.agent_command"
+    assert (build_env(sample, top).command, build_env(sample, top).prompt) == (
+        ["claude", "-p", "{prompt}"],
+        "Fix the bug.",
+    )
+    section = SimpleNamespace(turnstile={"agent_command": "codex exec {prompt}"})
+    assert settings_from_args(section).env_path == "engine.envs.agent_command"
+    assert build_env(sample, section).command == ["codex", "exec", "{prompt}"]
+    other = SimpleNamespace(rollout_interaction_env_path="python_tool", turnstile={"agent_command": "codex exec"})
+    with pytest.raises(ValueError, match="agent_command runs the agent_command env, but env_path names"):
+        settings_from_args(other)
