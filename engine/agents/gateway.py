@@ -19,11 +19,9 @@ it raises is its own (a 4xx in the API's format) or its chain's, never the gatew
 from __future__ import annotations
 
 import contextlib
-import hmac
 import logging
 import secrets
 import socket
-import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -31,21 +29,18 @@ from typing import Any, Literal
 
 import anyio
 import uvicorn
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
-from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
 
-from engine.agents import anthropic_messages, openai_chat, openai_responses
+from engine.agents import openai_chat
 from engine.agents.answer import Answer
 from engine.agents.history import Fit, key, unanswerable
 from engine.agents.limits import GatewayLimits
 from engine.agents.metrics import GatewayCollector
 from engine.agents.request import RequestError, TurnInfo
+from engine.agents.routes import GatewayHttp
 from engine.agents.session import Asked, Chain, Session, SessionEnv
 from engine.agents.streaming import StreamSplitter
-from engine.agents.wire import drain, presented_key, read, read_body, says_retry
 from engine.envs.base import EnvRunner
 from engine.gc_freeze import freeze_long_lived
 from engine.multimodal import BoundedCache
@@ -59,9 +54,7 @@ log = logging.getLogger(__name__)
 # client closes first; a server that closes first races a client reusing the connection (a ReadError mid-turn).
 KEEP_ALIVE_S = 75.0
 SHUTDOWN_S = 10.0  # at the end of serving, how long requests still open are given before they are cancelled
-STREAM_PING_S = 10.0  # a streamed reply with nothing new this long sends a keep-alive (a client's idle timeout)
 DECODED_IMAGES = 100_000  # digests of images that decoded, kept so that a conversation's are decoded once
-APIS = {api.PATH: api for api in (openai_chat, openai_responses, anthropic_messages)}  # under /sessions/<id>/v1/
 
 
 class _Server(uvicorn.Server):
@@ -109,23 +102,11 @@ class Gateway:
         self._public_url: str | None = None
         self._tasks: anyio.abc.TaskGroup | None = None
         self._unanswered: set[Answer] = set()  # requests waiting for their turn (failed when serving ends)
-        self._decoded_images = BoundedCache[str, bool](DECODED_IMAGES, size=lambda _: 1)  # digests: wire.read
+        self.decoded_images = BoundedCache[str, bool](DECODED_IMAGES, size=lambda _: 1)  # digests: wire.read
         self.registry = CollectorRegistry(auto_describe=False)
         self.collector = GatewayCollector(self)
         self.registry.register(self.collector)
-        self.app = Starlette(
-            routes=[
-                *(
-                    Route(f"/sessions/{{session_id}}/v1/{path}", self._endpoint(api), methods=["POST"])
-                    for path, api in APIS.items()
-                ),
-                Route("/sessions/{session_id}/v1/messages/count_tokens", self._count_tokens, methods=["POST"]),
-                Route("/sessions/{session_id}/finish", self._finish, methods=["POST"]),
-                Route("/sessions", self._open, methods=["POST"]),
-                Route("/metrics", self._metrics, methods=["GET"]),
-                Route("/{path:path}", self._unknown, methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD"]),
-            ]
-        )
+        self.app = Starlette(routes=GatewayHttp(self).routes())
 
     # -- sessions ----------------------------------------------------------------------------------------
     def open_session(
@@ -248,157 +229,8 @@ class Gateway:
             chain.drive_ended.set()
             chain.turn_ended()  # a request still waiting learns that the chain ended
 
-    # -- HTTP --------------------------------------------------------------------------------------------
-    async def _metrics(self, request: Request) -> Response:
-        """The gateway's own series in Prometheus' text format; the turns' series are the engine's."""
-        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
-
-    async def _open(self, request: Request) -> Response:
-        """`POST /sessions` with the gateway's key: a new session, its key and its base URLs."""
-        if not self._is_own_key(presented_key(request)):
-            return _error(_bad_key().body(), 401)
-        session = self.open_session()
-        urls = {"openai_base_url": self.base_url(session), "anthropic_base_url": self.base_url(session, "anthropic")}
-        return JSONResponse({"id": session.id, "key": session.key, **urls})
-
-    async def _finish(self, request: Request) -> Response:
-        """`POST /sessions/<id>/finish` with its key (or the gateway's): the session finished, its chains counted."""
-        try:
-            session = await self._session(request)
-        except RequestError as error:
-            return _error(error.body(), error.status)
-        chains = await self.finish_session(session)
-        statuses = Counter(str(trajectory.status) for trajectory in chains)
-        forks = {str(cause): n for cause, n in session.forks.items()}
-        return JSONResponse({"id": session.id, "chains": len(chains), "statuses": statuses, "forks": forks})
-
-    async def _count_tokens(self, request: Request) -> Response:
-        """Anthropic's `POST /v1/messages/count_tokens`: the prompt's tokens as the policy's template renders them."""
-        try:
-            await self._session(request, "messages/count_tokens")
-            body = await read_body(request, self.limits.max_body_bytes)
-            _, asked = await read(
-                anthropic_messages, body, limits=self.limits, client_sampling="ignore", retry=False,
-                images=self.scheduler.encoder.processor is not None, defaults={"max_tokens": 1},
-            )  # fmt: skip
-            encoded = await self._encoder(asked).aencode_prompt(asked.messages)
-        except RequestError as error:
-            self.counts[f"bad_requests:{error.status}"] += 1
-            return _error(anthropic_messages.error_body(error), error.status)
-        except Exception as exc:  # noqa: BLE001 -- a template that does not render these messages: the request's
-            self.counts["bad_requests:400"] += 1
-            error = RequestError(f"the prompt does not render: {exc!r}")
-            return _error(anthropic_messages.error_body(error), 400)
-        return JSONResponse({"input_tokens": len(encoded.token_ids)})
-
-    async def _unknown(self, request: Request) -> Response:
-        """A path the gateway does not serve: 404 in the envelope both SDKs read (`error.message`)."""
-        self.counts["bad_requests:404"] += 1
-        error = RequestError(f"no such route: {request.method} {request.url.path}", status=404, kind="not_found_error")
-        return _error(anthropic_messages.error_body(error), 404)
-
-    def _is_own_key(self, given: str | None) -> bool:
-        return given is not None and hmac.compare_digest(given.encode(), self.key.encode())
-
-    async def _session(self, request: Request, api: str | None = None) -> Session:
-        """The session a request is for, once its key is the session's or the gateway's (counted by `api`). A
-        request turned away is read to its end first (up to the body bound), so the answer reaches its client."""
-        try:
-            return self._session_now(request, api)
-        except RequestError:
-            await drain(request, self.limits.max_body_bytes)
-            raise
-
-    def _session_now(self, request: Request, api: str | None) -> Session:
-        if api is not None:
-            self.counts[f"requests:{api}"] += 1
-        given, session_id = presented_key(request), request.path_params["session_id"]
-        session = self.sessions.get(session_id)
-        own = self._is_own_key(given)
-        if not own and not (
-            session is not None and given and hmac.compare_digest(given.encode(), session.key.encode())
-        ):
-            raise _bad_key()
-        if session is None and own and self.open_on_first_use and len(session_id) <= 128:
-            session = self.open_session(session_id)
-        if session is None:
-            raise RequestError(f"no open session {session_id!r}", status=404, kind="not_found_error")
-        session.last_request_at = time.monotonic()
-        return session
-
-    def _endpoint(self, api: Any) -> Any:
-        async def endpoint(request: Request) -> Response:
-            try:
-                return await self._serve(request, api)
-            except RequestError as error:
-                self.counts[f"bad_requests:{error.status}"] += 1
-                return _error(api.error_body(error), error.status)
-            except ClientDisconnect:  # gone before its body arrived: nothing to answer, nothing started
-                self.counts["disconnects"] += 1
-                return Response(status_code=499)
-            except Exception as exc:  # noqa: BLE001 -- a bug: this request's 500, never the gateway's end
-                log.error("a %s request failed unexpectedly", api.NAME, exc_info=exc)
-                self.counts["internal_errors"] += 1
-                error = RequestError(f"the gateway failed: {exc!r}", status=500, kind="server_error")
-                return _error(api.error_body(error), 500)
-
-        return endpoint
-
-    async def _serve(self, request: Request, api: Any) -> Response:
-        """One request of an API (a dialect module): read, routed to its chain, answered whole or streamed."""
-        session = await self._session(request, api.PATH)
-        body = await read_body(request, self.limits.max_body_bytes)
-        parsed, asked = await read(
-            api, body, limits=self.limits, client_sampling=self.client_sampling, retry=says_retry(request),
-            images=self.scheduler.encoder.processor is not None, decoded=self._decoded_images,
-        )  # fmt: skip
-        for name in parsed.sampling_asked():
-            self.counts[f"sampling_ignored:{name}"] += 1
-        for kind, n in parsed.degraded().items():
-            self.counts[f"degraded:{kind}"] += n
-        answer = self._ask(session, asked, live=parsed.stream)
-        model = parsed.model or self.model_name
-        if not parsed.stream:
-            await answer.done.wait()
-            if answer.error is not None:
-                raise answer.error
-            if not await request.is_disconnected():  # a client gone meanwhile (its timeout) never gets this reply
-                answer.deliver()
-            return Response(api.reply(parsed, model, answer.message, answer.info), media_type="application/json")
-        with anyio.move_on_after(STREAM_PING_S):  # the first piece, or the end: an error before any is a status
-            await answer.started()
-        if answer.error is not None and not answer.pieces:
-            raise answer.error
-        return StreamingResponse(self._events(api.Stream(parsed, model), answer), media_type="text/event-stream")
-
-    async def _events(self, stream: Any, answer: Answer) -> AsyncIterator[str]:
-        """The answer as server-sent events, each piece as it arrives, a keep-alive when none has for a while."""
-        sent = 0
-        try:
-            yield stream.start(answer.prompt_tokens)
-            while True:
-                for piece in answer.pieces[sent:]:
-                    yield stream.piece(*piece)
-                sent = len(answer.pieces)
-                if answer.done.is_set():
-                    break
-                with anyio.move_on_after(STREAM_PING_S) as idle:
-                    await answer.changed()
-                if idle.cancelled_caught:
-                    yield stream.ping()
-            if answer.error is not None:
-                yield stream.error(answer.error)
-            else:
-                if answer.diverged:
-                    self.counts["stream_diverged"] += 1
-                yield stream.end(answer.message, answer.info, answer.sent)
-            answer.deliver()
-        finally:
-            if not answer.delivered:
-                self.counts["disconnects"] += 1
-
     # -- one turn --------------------------------------------------------------------------------------------
-    def _ask(self, session: Session, asked: Asked, *, live: bool) -> Answer:
+    def ask(self, session: Session, asked: Asked, *, live: bool) -> Answer:
         """Route the request to its chain (or fork a new one) and claim it, before any await: the answer comes in
         its own task, so a client that leaves mid-way leaves the turn whole (its retry gets it)."""
         if session.closed:
@@ -445,7 +277,7 @@ class Gateway:
         trajectory = chain.trajectory
         try:
             if live:
-                split = StreamSplitter(self._encoder(asked), stop=asked.stop)
+                split = StreamSplitter(self.encoder_for(asked), stop=asked.stop)
                 answer.split = split
                 trajectory.token_listener = lambda ids: answer.put(split.feed(ids))
             answer.prompt_tokens = len(trajectory.tokens)
@@ -476,7 +308,7 @@ class Gateway:
         else:
             answer.finish(*chain.last_reply)
 
-    def _encoder(self, asked: Asked) -> Any:
+    def encoder_for(self, asked: Asked) -> Any:
         return self.scheduler.encoder.for_tools(asked.tools, key=asked.tools_key)
 
     def _reply(self, chain: Chain, asked: Asked, turn: Any) -> tuple[dict[str, Any], TurnInfo]:
@@ -484,7 +316,7 @@ class Gateway:
         trajectory = chain.trajectory
         if turn is None:
             raise self._no_turn(trajectory)
-        encoder = self._encoder(asked)
+        encoder = self.encoder_for(asked)
         generated = trajectory.generated_ids(turn).tolist()
         try:
             parsed = encoder.parse_turn(generated, tools=asked.tools)
@@ -531,21 +363,6 @@ class Gateway:
         return RequestError(
             f"the session's trajectory ended ({trajectory.stop_reason}): {last}", status=status, kind="server_error"
         )
-
-
-def _error(body: dict[str, Any], status: int) -> Response:
-    """An error in an API's format. A 4xx says `x-should-retry: false`: the official SDKs (and the CLIs on them)
-    would otherwise retry a 409 or a 401 that asking again cannot change (Claude Code for minutes)."""
-    headers = {"x-should-retry": "false"} if 400 <= status < 500 else None
-    return JSONResponse(body, status_code=status, headers=headers)
-
-
-def _bad_key() -> RequestError:
-    return RequestError(
-        "invalid API key: give this session's key (or the gateway's) as x-api-key or Authorization: Bearer",
-        status=401,
-        code="invalid_api_key",
-    )
 
 
 def _cut_at_stop(content: str, stop: tuple[str, ...]) -> tuple[str, str | None]:
