@@ -7,6 +7,7 @@ checkout's files by link, so what they write (out/) stays there."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -64,11 +65,15 @@ def folder(tmp_path_factory) -> Path:
 def test_every_bash_command_runs_as_written(folder):
     if not (REPO / ".venv" / "bin" / "turnstile").exists():
         pytest.fail("no .venv in the checkout: the README's commands run after `make` (`make test` creates it)")
+    # as a user types them: not under the `make test ARGS=...` this suite may run in (make hands its command line's
+    # variables down to every make below it)
+    made = ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "ARGS")
+    env = {name: value for name, value in os.environ.items() if name not in made}
     for command in commands():
         if command in NOT_RUN:
             print(f"not run here: {command!r}: {NOT_RUN[command]}")
             continue
-        proc = subprocess.run(shlex.split(command), cwd=folder, capture_output=True, text=True, timeout=900)
+        proc = subprocess.run(shlex.split(command), cwd=folder, capture_output=True, text=True, timeout=900, env=env)
         assert proc.returncode == 0, f"{command}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
         if command.startswith(".venv/bin/turnstile show") and "--status failed" not in command:
             assert "turn 0 · model" in proc.stdout and "  env ▸" in proc.stdout, proc.stdout
