@@ -46,7 +46,7 @@ VERDICTS: dict[str, dict[str, Cause]] = {
     # No tool role (roles must alternate), and the model's text trimmed in history.
     "google-gemma-3-4b-it": dict.fromkeys(TOOL_SCENARIOS, NO_ROLE) | {"trailing-space": H},
     # The system prompt goes into the last user message; without one, the dummy's system prompt shows up there.
-    "mistralai-Mistral-Nemo-Instruct-2407": dict.fromkeys(set(TEXT) - {"no-system"}, SYS) | {"no-system": H},
+    "mistralai-Mistral-Nemo-Instruct-2407": dict.fromkeys(TEXT, SYS),
     "moonshotai-Kimi-K2-Instruct": {},
     "moonshotai-Kimi-K2-Thinking": {"trailing-space": H},  # the content trimmed in history
     # History ends a final answer with <|end|> where the model sampled <|return|>, and drops its analysis
