@@ -21,8 +21,8 @@ def family_tokenizer(name: str) -> Any:
     """A tokenizer as the model's own would split its template's control tokens (cached: do not change it)."""
     entry = TOKENS[f"{name}.jinja"]
     tokenizer = load_tokenizer("qwen2.5", chat_template=(FAMILY_TEMPLATES / f"{name}.jinja").read_text())
-    vocab = tokenizer.get_vocab()
-    added = [token for token in entry["added_tokens"] if token["content"] not in vocab]
+    added_vocab = tokenizer.get_added_vocab()  # not get_vocab(): Qwen has `<s>` and `</s>` as plain BPE tokens
+    added = [token for token in entry["added_tokens"] if token["content"] not in added_vocab]
     special = [token["content"] for token in added if token["special"]]
     if special:
         tokenizer.add_special_tokens({"additional_special_tokens": special}, replace_extra_special_tokens=False)

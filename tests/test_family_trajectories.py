@@ -38,7 +38,14 @@ TEMPLATES = [
     "moonshotai-Kimi-K2-Thinking",
     "openai-gpt-oss-120b",
     "zai-org-GLM-4.7-Flash",
-]  # gemma-3 has no tool role (refused at start); R1-Distill writes no reply after its own `<think>` prompt
+    "Qwen-Qwen3.5-4B",
+    "stepfun-ai-Step-3.5-Flash",
+    "moonshotai-Kimi-K2.5",
+    "zai-org-GLM-5.1",
+    "zai-org-GLM-4.6V-Flash",
+    "mistralai-Devstral-Small-2-24B-Instruct-2512",
+]  # gemma-3 has no tool role (refused at start); R1-Distill writes no reply after its own `<think>` prompt; the
+# templates of families the engine does not know have their own test below
 
 # Turns the template writes otherwise once a user message follows it (the third): it drops the turn's reasoning
 # (history keeps reasoning only after the last user message; harmony also ends the final answer in <|end|>).
@@ -46,6 +53,10 @@ REWRITTEN = {
     "Qwen-Qwen3-4B-Thinking-2507": {2},
     "openai-gpt-oss-120b": {2},
     "zai-org-GLM-4.7-Flash": {2},
+    "Qwen-Qwen3.5-4B": {2},
+    "stepfun-ai-Step-3.5-Flash": {2},
+    "zai-org-GLM-5.1": {2},
+    "zai-org-GLM-4.6V-Flash": {2},
 }
 
 # Mistral's template writes the system prompt into the last user message: a user observation carries the system
