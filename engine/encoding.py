@@ -40,6 +40,7 @@ variants, image payloads) are filled idempotently or under a lock.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import json
@@ -59,6 +60,7 @@ if TYPE_CHECKING:
     from engine.trajectory import Trajectory
 
 ASSISTANT_SENTINEL = "I am the assistant of this dummy conversation."
+OBSERVATION_PROBE = "What the env answered, as an observation."  # a probe's content: is it in what is appended?
 DUMMY_MESSAGES = (
     {"role": "system", "content": "You are a helpful assistant."},
     {"role": "user", "content": "I am a user."},
@@ -215,14 +217,19 @@ class ChatEncoder:
     def role_problem(self, role: str) -> str | None:
         """Why the template cannot render an observation of `role` after the model's turn ("cannot render a
         'tool' message: ..."), or None when it can."""
-        message: dict[str, Any] = {"role": role, "content": "x"}
+        message: dict[str, Any] = {"role": role, "content": OBSERVATION_PROBE}
         if role == "tool":
             message |= {"tool_call_id": "abcDEF123", "name": "tool"}  # 9 alphanumeric characters, as Mistral checks
         try:
-            self._prefix_for(message)
+            self.encode_observation(message)
         except Exception as exc:  # noqa: BLE001 -- a template's raise_exception, whatever it raises
             return f"cannot render a {role!r} message after an assistant turn: {' '.join(str(exc).split())}"
         return None
+
+    @functools.cached_property
+    def _image_marker(self) -> str | None:
+        """The text the template writes for an image (Qwen-VL's `<|image_pad|>`, which the processor expands)."""
+        return getattr(self.processor, "image_token", None) if self.processor is not None else None
 
     @property
     def image_token_id(self) -> int | None:
@@ -279,13 +286,17 @@ class ChatEncoder:
     def encode_observation(self, message: dict[str, Any] | list[dict[str, Any]]) -> Encoded:
         """The tokens that follow the model's end-of-turn token: separator, the observation (a message, or
         several: the results of parallel tool calls, a tool result and a user message), the next generation
-        prompt."""
+        prompt. Raises ObservationError where the template leaves a message's content out of what it appends
+        (DeepSeek's and gpt-oss's write only the first system message): the model would never see it."""
         messages = _as_messages(message)
         text = self._render_after_dummy(messages)
         prefix, _ = self._prefix_for(messages[0])
         if not text.startswith(prefix):  # the template renders the dummy turns differently for these messages
             prefix = text[: self._cut(text)[0]]
-        return self._encode_text(text[len(prefix) :], images_of(messages))
+        delta = text[len(prefix) :]
+        if (lost := _lost(delta, messages, self._image_marker)) is not None:
+            raise ObservationError(f"the chat template drops the observation's {lost}: the model would never see it")
+        return self._encode_text(delta, images_of(messages))
 
     def closing_ids(
         self, generated: list[int], message: dict[str, Any] | list[dict[str, Any]] | None = None
@@ -651,6 +662,28 @@ def _is_heavy(*parts: Any) -> bool:
         if chars > INLINE_MAX_CHARS:
             return True
     return chars > INLINE_MAX_CHARS
+
+
+def _lost(delta: str, messages: list[dict[str, Any]], image_marker: str | None) -> str | None:
+    """Which message's content (its text, each text part, its images) the rendered `delta` does not carry, named
+    ("message 2 (system)"), or None when it carries them all. A text counts as carried as it is (ends trimmed, as
+    templates trim), or escaped as a JSON string (templates that `tojson` a tool's result)."""
+    images = 0  # of the messages so far: the delta writes a marker for each
+    for number, message in enumerate(messages, 1):
+        content = message.get("content")
+        parts = [content] if isinstance(content, str) else [p.get("text") for p in content or () if isinstance(p, dict)]
+        for text in (t.strip() for t in parts if isinstance(t, str)):
+            if text and text not in delta and not _escaped_in(text, delta):
+                return f"message {number} ({message.get('role')})"
+        images += len(images_of([message]))
+        if images and image_marker is not None and delta.count(image_marker) < images:
+            return f"message {number} ({message.get('role')}) images"
+    return None
+
+
+def _escaped_in(text: str, delta: str) -> bool:
+    """Whether `delta` holds `text` as a JSON string writes it (with or without non-ASCII escaped)."""
+    return json.dumps(text, ensure_ascii=False)[1:-1] in delta or json.dumps(text)[1:-1] in delta
 
 
 def _as_messages(observation: dict[str, Any] | list[dict[str, Any]]) -> list[dict[str, Any]]:
