@@ -22,18 +22,21 @@ from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import anyio
 
-from engine.agents.gateway import Gateway
-from engine.agents.session import Session
+from engine.agents import needs_agents_extra
 from engine.config import Settings
 from engine.encoding import ChatEncoder
 from engine.engine import RolloutEngine
 from engine.errors import BackendError
 from engine.run import check_metrics, check_out, decoder, load_encoder, load_local_model, open_backend
 from engine.trajectory import Trajectory
+
+if TYPE_CHECKING:
+    from engine.agents.gateway import Gateway
+    from engine.agents.session import Session
 
 # Settings a gateway does not read: its sessions' agents, not an env, make the turns
 NOT_READ = ("env_path", "env_workers", "env_worker_capacity", "ray_address", "n_samples_per_prompt", "agent_command",
@@ -73,6 +76,7 @@ class GatewayCommand:
     @classmethod
     def load(cls, config: Settings, args: argparse.Namespace) -> GatewayCommand:
         """Everything it reads, checked and loaded; a ValueError (or OSError) names what is wrong."""
+        needs_agents_extra("`turnstile gateway`", "engine.agents.gateway")
         unread = sorted(set(NOT_READ) & config.model_fields_set)
         if unread:
             raise ValueError(f"{', '.join(unread)}: not read by `turnstile gateway` (its agents make the turns)")
@@ -92,6 +96,8 @@ class GatewayCommand:
             return 2
 
     async def _serve(self) -> int:
+        from engine.agents.gateway import Gateway  # the agents extra's (checked by load)
+
         config, args = self.config, self.args
         async with AsyncExitStack() as stack:
             backend = await open_backend(stack, config, self.encoder, self.model)
@@ -172,6 +178,8 @@ async def _until_stopped(gateway: Gateway, signals: AsyncIterator[int], idle_s: 
 def _announce(gateway: Gateway, config: Settings, engine: RolloutEngine, out: str) -> None:
     """What to point agents at: the base URLs of an example session, the key, Claude Code's and Codex's set-up."""
     policy = f"SGLang at {config.url}" if config.backend_kind == "sglang" else f"the embedded {config.local_model}"
+    from engine.agents.session import Session
+
     example = Session("demo")
     openai_url, anthropic_url = gateway.base_url(example), gateway.base_url(example, "anthropic")
     codex = (

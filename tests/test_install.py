@@ -41,3 +41,28 @@ print(json.dumps([encoder.response_text(prompt.token_ids, skip_special_tokens=Fa
     text, observed = json.loads(run_python(code))
     assert "What is 2 + 2?" in text and text.endswith("<|im_start|>assistant\n")
     assert observed > 0
+
+
+AGENTS_EXTRA = ("starlette", "uvicorn", "httptools", "openai", "anthropic", "psutil", "agents")
+
+
+def test_without_the_agents_extra_the_cli_runs_and_its_agent_parts_name_the_extra(tmp_path):
+    """A plain `pip install turnstile` (slime's image) has none of the agents extra: `turnstile run` imports, and
+    `turnstile gateway` and the agent envs refuse at start with one error naming the extra."""
+    hidden = f"import sys; sys.modules.update(dict.fromkeys({AGENTS_EXTRA!r}))"
+    code = f"""{hidden}
+import contextlib, io, json
+{IMPORTS}
+from engine.cli import main
+errors = []
+for argv in (["gateway"], ["run", "--agent-command", "true", "--out", {str(tmp_path / "out.jsonl")!r}]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.suppress(SystemExit):
+        main(argv)
+    errors.append(err.getvalue().strip().splitlines()[-1])
+print(json.dumps(errors))
+"""
+    gateway, agent_command = json.loads(run_python(code))
+    for error in (gateway, agent_command):
+        assert error.startswith("turnstile: error:") and "pip install 'turnstile[agents]'" in error, error
+    assert "`turnstile gateway`" in gateway and "agent_command" in agent_command

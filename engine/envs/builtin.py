@@ -18,6 +18,8 @@ BUILTIN_ENVS: dict[str, str] = {
     "python_agent": "engine.envs.python_agent",  # an agent program (the OpenAI Agents SDK) on python_tool's tasks
     "agent_command": "engine.envs.agent_command",  # any agent CLI by its command line (turnstile run --agent-command)
 }
+# the built-in envs whose modules need an extra's packages (pyproject.toml), by module path
+EXTRAS: dict[str, str] = {"engine.envs.python_agent": "agents", "engine.envs.agent_command": "agents"}
 
 
 def resolve_env_path(name_or_path: str) -> str:

@@ -24,7 +24,7 @@ from types import ModuleType
 from typing import Any
 
 from engine.envs.base import BaseInteractionEnv, EnvRunner
-from engine.envs.builtin import resolve_env_path
+from engine.envs.builtin import EXTRAS, resolve_env_path
 from engine.errors import EnvError, ErrorClass
 
 
@@ -78,6 +78,8 @@ def load_env_module(path: str) -> ModuleType:
         file = Path(*path.split(".")).with_suffix(".py")
         if isinstance(exc, ModuleNotFoundError) and path.startswith(str(exc.name)) and file.is_file():
             hint = f"; {file} is a file here: give it as a path, {file}, or put its folder on PYTHONPATH"
+        elif isinstance(exc, ModuleNotFoundError) and path in EXTRAS:
+            hint = f"; it needs Turnstile's {EXTRAS[path]} extra: pip install 'turnstile[{EXTRAS[path]}]'"
         raise EnvLoadError(f"env module {path!r} does not import: {exc!r}{hint}") from exc
 
 
