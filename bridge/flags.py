@@ -367,11 +367,13 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         "sglang_tool_call_parser", "--sglang-tool-call-parser", None, _H,
-        "Names the model family (engine/families.py): turn ends, stop tokens, the tool envs' parser; unknown: refused.",
+        "Names the model family (engine/families.py): turn ends, stop tokens, the tool envs' parser. Any of SGLang's "
+        "44: one the engine has no parser for is read by SGLang itself (/parse_function_call); not SGLang's: refused.",
     ),
     Flag(
         "sglang_reasoning_parser", "--sglang-reasoning-parser", None, _H,
-        "qwen3-thinking / deepseek-r1: turns start inside the reasoning; other known names accepted; unknown: refused.",
+        "qwen3-thinking / deepseek-r1: turns start inside the reasoning. Any of SGLang's: one the engine does not read "
+        "is read by SGLang itself (/separate_reasoning); not SGLang's: refused.",
     ),
     Flag(
         "rollout_num_gpus", "--rollout-num-gpus", None, _H,

@@ -44,10 +44,10 @@ from pydantic.fields import FieldInfo
 
 from engine.backends.base import SamplingParams
 from engine.envs.builtin import resolve_env_path
-from engine.families import family_name, reasoning_parser_name
+from engine.families import NAMES, REASONING_PARSERS, family_name, has_family, reasoning_parser_name
 from engine.scheduler.queue import Policy
 from engine.scheduler.retry import RetryPolicy
-from engine.turn import TurnLimits
+from engine.turn import ServerReader, TurnLimits
 
 Reader = Literal["run", "slime"]
 EMBEDDED_TURN_TOKENS = 48  # the per-turn cap on the local backend when max_new_tokens is unset (see that knob)
@@ -321,14 +321,22 @@ class Settings(EngineConfig):
     vision: Annotated[bool, FLAG] = False
     """A VLM: the Qwen2.5-VL processor, images in prompts and observations."""
     model_family: Annotated[str | None, AfterValidator(family_name), Slime("`--sglang-tool-call-parser`"), FLAG] = None
-    """The model family, by SGLang's tool-call parser name (qwen25, qwen3_coder, glm45, glm47, kimi_k2, gpt-oss,
-    deepseekv31, llama3, mistral): how a turn ends and how its tool calls are written and parsed
-    (engine/families.py); unset: found from the chat template."""
+    """The model family, by SGLang's tool-call parser name: how a turn ends and how its tool calls are written and
+    parsed (engine/families.py). The engine's own: qwen25, qwen3_coder, glm45, glm47, kimi_k2, gpt-oss,
+    deepseekv31, llama3, mistral; any other of SGLang's 44 (minimax-m2, gemma4, ...) is read by SGLang itself on
+    its servers (see turn_parser), and refused on the local backend. Unset: found from the chat template."""
     reasoning_parser: Annotated[
         str | None, AfterValidator(reasoning_parser_name), Slime("`--sglang-reasoning-parser`"), FLAG
     ] = None
     """SGLang's reasoning parser name; qwen3-thinking and deepseek-r1 say every turn starts inside the reasoning
-    (its opening `<think>` is the prompt's), as SGLang reads them; unset: as the generation prompt says."""
+    (its opening `<think>` is the prompt's), as SGLang reads them; unset: as the generation prompt says. One the
+    engine does not read (nemotron_3, minimax-append-think, ...) is read by SGLang on its servers."""
+    turn_parser: Annotated[Literal["auto", "sglang", "engine"], FLAG] = "auto"
+    """Who reads a turn's content, reasoning and tool calls for the env. sglang: the SGLang servers, with
+    model_family and reasoning_parser as their parser names (POST /parse_function_call, /separate_reasoning),
+    exactly as SGLang reads them (a malformed call is text there, not a named error); engine: the engine's own
+    parsers; auto: SGLang where the backend is SGLang and a parser named is one the engine does not have, else
+    the engine."""
 
     # -- backend --------------------------------------------------------------------------------------
     backend: Annotated[
@@ -395,6 +403,54 @@ class Settings(EngineConfig):
             verb = "apply" if len(given) > 1 else "applies"
             raise ValueError(f"{' and '.join(given)} {verb} to env workers only: set env_workers too")
         return self
+
+    @model_validator(mode="after")
+    def _parsers_where_they_run(self) -> Self:
+        """A parser only SGLang has needs SGLang servers to read the turns; `turn_parser: sglang` needs a name."""
+        only_sglang = self.sglang_only_parsers
+        if only_sglang and (self.backend_kind != "sglang" or self.turn_parser == "engine"):
+            where = "the local backend" if self.backend_kind != "sglang" else "turn_parser engine"
+            raise ValueError(
+                f"{' and '.join(only_sglang)}: read only by SGLang's own parsers, on SGLang servers (url, with "
+                f"turn_parser auto or sglang), not by {where}; the engine's own families: {', '.join(NAMES)}"
+            )
+        if self.turn_parser == "sglang" and (self.backend_kind != "sglang" or not self.server_parsers):
+            raise ValueError("turn_parser sglang: needs SGLang servers (url) and model_family or reasoning_parser")
+        agents = {resolve_env_path(name) for name in ("python_agent", "agent_command")}
+        if (
+            self.env_path in agents and self.server_parsers
+        ):  # an agent's replies stream through the session gateway, read by the engine
+            raise ValueError(
+                f"env {self.env_path}: its agent's replies are read by the engine's own parsers, as they stream, and "
+                f"this run asks SGLang's ({' and '.join(n for n in self.server_parsers if n)}; turn_parser)"
+            )
+        return self
+
+    @property
+    def sglang_only_parsers(self) -> list[str]:
+        """The parsers named that only SGLang reads, as `model_family X` / `reasoning_parser Y`."""
+        named = []
+        if self.model_family is not None and not has_family(self.model_family):
+            named.append(f"model_family {self.model_family}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            named.append(f"reasoning_parser {self.reasoning_parser}")
+        return named
+
+    @property
+    def server_parsers(self) -> tuple[str | None, str | None] | None:
+        """SGLang's (tool-call, reasoning) parser names the servers read every turn with, or None where the
+        engine's own parsers read them (turn_parser)."""
+        names = (self.model_family, self.reasoning_parser)
+        if self.backend_kind != "sglang" or self.turn_parser == "engine" or names == (None, None):
+            return None
+        if self.turn_parser == "sglang" or self.sglang_only_parsers:
+            return names
+        return None
+
+    def server_reader(self, backend: Any) -> ServerReader | None:
+        """What reads the turns on `backend`'s servers (`server_parsers`), for `RolloutEngine(reader=...)`."""
+        names = self.server_parsers
+        return None if names is None else ServerReader(backend, *names)
 
     @model_validator(mode="after")
     def _backend_and_url(self) -> Self:

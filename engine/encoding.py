@@ -183,9 +183,10 @@ class ChatEncoder:
     @classmethod
     def for_settings(cls, tokenizer: Any, settings: Any, *, processor: Any = None) -> ChatEncoder:
         """The encoder a run's settings ask for (`chat_template_kwargs`, `model_family`, `reasoning_parser`)."""
-        from engine.families import FORCED_REASONING, family_named
+        from engine.families import FORCED_REASONING, family_named, has_family
 
-        family = family_named(settings.model_family) if settings.model_family else None
+        named = settings.model_family
+        family = family_named(named) if named and has_family(named) else None  # else SGLang's to read
         return cls(
             tokenizer,
             processor=processor,
@@ -569,13 +570,13 @@ class ChatEncoder:
         return self._prefix[key]
 
     def _render_after_dummy(self, messages: list[dict[str, Any]]) -> str:
-        """The dummy conversation, then `messages`, rendered with the generation prompt. Before tool messages of
-        a known family, the dummy assistant makes the calls they answer (structured `tool_calls`, one per
+        """The dummy conversation, then `messages`, rendered with the generation prompt. Before tool messages (of
+        any family, known or not), the dummy assistant makes the calls they answer (structured `tool_calls`, one per
         leading tool message, the sentinel as an argument), as templates that name the call in the tool's
         header (harmony) or refuse a tool message without a call need; where the template does not write such
         calls (it raises on them, or leaves the sentinel out), after the plain dummy."""
         answers = list(itertools.takewhile(lambda m: m.get("role") == "tool", messages))
-        if answers and self.family is not None:
+        if answers:
             calls = [
                 self.tool_call(
                     str(m.get("tool_call_id") or f"call{i:05d}"),

@@ -55,7 +55,7 @@ from engine.scheduler.signals import Broadcast
 from engine.source import PromptSource, RowSource, check_row
 from engine.statistics import EngineStatistics
 from engine.trajectory import Group, Status, StopReason, Trajectory
-from engine.turn import record_failure
+from engine.turn import ServerReader, record_failure
 
 if TYPE_CHECKING:
     from engine.metrics.prometheus import MetricsExporter
@@ -119,13 +119,15 @@ class RolloutEngine:
         group_reward_fn: GroupRewardFn | None = None,
         group_filter: GroupFilter | None = None,
         observers: Sequence[Observer] = (),
+        reader: ServerReader | None = None,
     ):
         """`reward_fn(trajectory)` scores each trajectory that ends COMPLETED or TRUNCATED, as it ends (its
         return value is the reward); `group_reward_fn(group)` instead scores a whole group once all its
         members have ended. Either may be async; a raise or a timeout is a REWARD error, retried within
         the retry policy, then the trajectory (the group's members) fails. `group_filter` sees each scored
         group and may drop it. An engine without `env_factory` and `source` runs only the trajectories others
-        drive on its scheduler (a session gateway's chains: `Gateway(engine.scheduler)`)."""
+        drive on its scheduler (a session gateway's chains: `Gateway(engine.scheduler)`). `reader`: SGLang's
+        parsers read every turn on the servers (`Settings.server_reader`); checked once at start."""
         config = config or EngineConfig()
         self.recorder = next((o for o in observers if isinstance(o, MetricsRecorder)), None)
         if self.recorder is None and config.metrics_port is not None:
@@ -151,7 +153,7 @@ class RolloutEngine:
             max_staleness=config.max_staleness, on_stale=config.on_stale, max_restarts=config.max_restarts,
             group_left=self._group_left,
             reward_fn=None if group_reward_fn is not None else reward_fn, observers=self.observers,
-            seed=config.seed, seed_base=config.sampling_seed_base,
+            seed=config.seed, seed_base=config.sampling_seed_base, reader=reader,
         )  # fmt: skip
         self.exporter: MetricsExporter | None = None
         self.last_step_summary: dict[
@@ -181,6 +183,8 @@ class RolloutEngine:
         self._tasks.start_soon(self.scheduler.deadlines.watch)
         try:
             self.scheduler.resume_generation(await self.backend.weight_version())
+            if self.scheduler.reader is not None:  # a server without these parsers: one error, now
+                await self.scheduler.reader.check()
             if self.config.metrics_port is not None:
                 from engine.metrics.prometheus import MetricsExporter
 

@@ -161,13 +161,51 @@ FORCED_REASONING = ("qwen3-thinking", "deepseek-r1")
 REASONING_PARSERS = (*FORCED_REASONING, "qwen3", "glm45", "kimi", "kimi_k2", "deepseek-v3", "gpt-oss")
 
 
+# Every parser name SGLang registers (SGLang 0.5.23: sglang/srt/function_call/parser_names.py and
+# sglang/srt/parser/reasoning_parser_names.py; the SGLang tier checks these against the installed SGLang). A name
+# here that no family above has is read by SGLang itself, on SGLang servers (engine/backends/sglang_read.py).
+SGLANG_TOOL_CALL_PARSERS = (
+    "apertus2509", "beam", "cohere_command4", "deepseekv3", "deepseekv31", "deepseekv32", "deepseekv4", "deepseekv41",
+    "dots", "glm", "glm45", "glm47", "gpt-oss", "k2_horizon", "kimi_k2", "kimi_k3", "lfm2", "ling3", "llama3", "mimo",
+    "minicpm5", "mistral", "muse", "poolside_v1", "pythonic", "qwen", "qwen25", "qwen3_coder", "spark25", "step3",
+    "step3p5", "minimax-m2", "minimax-m3", "nanbeige", "trinity", "interns1", "hermes", "hunyuan", "gigachat3",
+    "gigachat35", "gemma4", "inkling", "iquest_q1", "response_template",
+)  # fmt: skip
+SGLANG_REASONING_PARSERS = (
+    "apertus2509", "beam", "deepseek-r1", "deepseek-v3", "deepseek-v4", "deepseek-v41", "dots", "glm45", "ling3",
+    "hunyuan", "gpt-oss", "k2_horizon", "kimi", "kimi_k2", "kimi_k3", "mimo", "muse", "poolside_v1", "qwen3",
+    "qwen3-thinking", "minimax", "minimax-append-think", "minimax-m3", "nanbeige", "step3", "step3p5", "mistral",
+    "nemotron_3", "granite_thinking_parser", "interns1", "gemma4", "inkling", "iquest_q1", "cohere_command4",
+    "gigachat35", "response_template",
+)  # fmt: skip
+
+
+def has_family(name: str) -> bool:
+    """Whether the engine has a family (and its own output parser) for this SGLang tool-call parser name."""
+    return ALIASES.get(name, name) in NAMES
+
+
 def family_name(name: str | None) -> str | None:
-    """A family name as a setting takes it (SGLang's aliases resolved); ValueError for an unknown one."""
-    return None if name is None else family_named(ALIASES.get(name, name)).name
+    """A tool-call parser name as a setting takes it: one of SGLang's (a family's, SGLang's aliases resolved, or
+    one only SGLang reads); ValueError for a name SGLang does not have either."""
+    if name is None:
+        return None
+    if has_family(name):
+        return family_named(name).name
+    if name not in SGLANG_TOOL_CALL_PARSERS:
+        raise ValueError(
+            f"model family {name!r}: not a tool-call parser SGLang has; the engine's own families are "
+            f"{', '.join(NAMES)}, and on SGLang servers any of SGLang's: {', '.join(SGLANG_TOOL_CALL_PARSERS)}"
+        )
+    return name
 
 
 def reasoning_parser_name(name: str | None) -> str | None:
-    """An SGLang reasoning parser name whose syntax the families' parsers read; ValueError otherwise."""
-    if name is not None and name not in REASONING_PARSERS:
-        raise ValueError(f"reasoning parser {name!r}: not one of {', '.join(REASONING_PARSERS)}")
+    """One of SGLang's reasoning parser names; ValueError otherwise. The engine's own parsers read those in
+    REASONING_PARSERS; the others are read by SGLang on its servers."""
+    if name is not None and name not in (*REASONING_PARSERS, *SGLANG_REASONING_PARSERS):
+        raise ValueError(
+            f"reasoning parser {name!r}: not one SGLang has; the engine reads {', '.join(REASONING_PARSERS)}, "
+            f"and on SGLang servers any of SGLang's: {', '.join(SGLANG_REASONING_PARSERS)}"
+        )
     return name

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
 # Settings a gateway does not read: its sessions' agents, not an env, make the turns
 NOT_READ = ("env_path", "env_workers", "env_worker_capacity", "ray_address", "n_samples_per_prompt", "agent_command",
-            "agent_reward_command", "partial_rollout", "over_sampling", "refill")  # fmt: skip
+            "agent_reward_command", "partial_rollout", "over_sampling", "refill", "turn_parser")  # fmt: skip
 IDLE_CHECK_S = 5.0  # how often sessions are checked for idleness
 
 
@@ -80,6 +80,11 @@ class GatewayCommand:
         unread = sorted(set(NOT_READ) & config.model_fields_set)
         if unread:
             raise ValueError(f"{', '.join(unread)}: not read by `turnstile gateway` (its agents make the turns)")
+        if config.sglang_only_parsers:  # the gateway reads replies as it streams them, with the engine's parsers
+            raise ValueError(
+                f"{' and '.join(config.sglang_only_parsers)}: `turnstile gateway` reads replies with the engine's own "
+                f"parsers, and has none of this name"
+            )
         if not 0 <= args.port <= 65535:
             raise ValueError(f"--port {args.port}: a port is 0 to 65535")
         check_out(args.out)

@@ -17,10 +17,13 @@ from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.errors import ErrorRecord, Stage
 from engine.multimodal import TrainInputBuffer
+
+if TYPE_CHECKING:
+    from engine.parsers.base import ParsedTurn
 
 
 class Status(StrEnum):
@@ -119,6 +122,7 @@ class Turn:
     # the env's chat message after this turn, or messages (several tool results), kept for re-rendering
     observation: dict[str, Any] | list[dict[str, Any]] | None = None
     is_reported: bool = False  # observers were told this turn ended
+    reading: ParsedTurn | None = None  # the turn as SGLang's parsers read it on the server (turn_parser), if they did
 
     @property
     def observation_messages(self) -> list[dict[str, Any]]:
@@ -128,7 +132,11 @@ class Turn:
         return list(self.observation) if isinstance(self.observation, list) else [self.observation]
 
     def to_record(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self.__slots__ if name not in ("observation", "is_reported")}
+        return {
+            name: getattr(self, name)
+            for name in self.__slots__
+            if name not in ("observation", "is_reported", "reading")
+        }
 
 
 @dataclass(slots=True, eq=False)

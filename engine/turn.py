@@ -25,8 +25,9 @@ from typing import Any
 from engine.backends.base import Backend, GenerateResult, SamplingParams, TokenListener, can_stream
 from engine.encoding import ChatEncoder
 from engine.envs.base import EnvRunner, StepResult
-from engine.errors import ObservationError, PromptError, ResponseError, TurnError
-from engine.parsers import use_parser
+from engine.errors import BackendError, ObservationError, PromptError, ResponseError, TurnError
+from engine.parsers import OutputParser, ParsedTurn, get_parser, use_parser
+from engine.parsers.read import ReadTurn
 from engine.trajectory import STOP_OF_STAGE, StopReason, Trajectory, Turn
 
 log = logging.getLogger(__name__)
@@ -186,18 +187,75 @@ def stop_after_generation(trajectory: Trajectory, result: GenerateResult, limits
     return out_of_room(trajectory, limits)
 
 
+@dataclass(frozen=True, slots=True)
+class ServerReader:
+    """Turns read by SGLang's own parsers on its servers (the `turn_parser` setting), by the names slime passes
+    SGLang as `--tool-call-parser` and `--reasoning-parser`: `backend.read_turn` (engine/backends/sglang_read.py).
+    Step 3b, between generating and stepping the env; the reading is kept on the turn (`Turn.reading`)."""
+
+    backend: Any  # an SGLangBackend or a BackendPool of them
+    tool_call_parser: str | None
+    reasoning_parser: str | None
+
+    @property
+    def name(self) -> str:
+        return self.tool_call_parser or self.reasoning_parser or "sglang"
+
+    async def read(self, generated: list[int], encoder: ChatEncoder) -> ParsedTurn:
+        """The turn's tokens as SGLang's chat completions would read them: decoded with special tokens, its
+        end-of-turn token dropped, and the `<think>` the generation prompt opened put back in front."""
+        text = encoder.assistant_text(generated)
+        if encoder.opens_reasoning and not text.lstrip().startswith("<think>"):
+            text = "<think>" + text
+        return await self.backend.read_turn(
+            text,
+            tools=list(encoder.tools or ()),
+            tool_call_parser=self.tool_call_parser,
+            reasoning_parser=self.reasoning_parser,
+        )
+
+    async def check(self) -> None:
+        """One reading at start, so a server without these parsers (an older SGLang) is one error then."""
+        try:
+            await self.backend.read_turn(
+                "", tools=[], tool_call_parser=self.tool_call_parser, reasoning_parser=self.reasoning_parser
+            )
+        except BackendError as exc:
+            named = " and ".join(f"{kind} {name!r}" for kind, name in self._named)
+            raise exc.noted(f"SGLang cannot read turns with {named} (turn_parser)") from exc
+
+    @property
+    def _named(self) -> list[tuple[str, str]]:
+        kinds = (("tool-call parser", self.tool_call_parser), ("reasoning parser", self.reasoning_parser))
+        return [(kind, name) for kind, name in kinds if name is not None]
+
+
+def turn_parser(turn: Turn, text: str, encoder: ChatEncoder, reader: ServerReader | None) -> OutputParser:
+    """Who reads the turn `text` for the env: SGLang's reading where the server read it (ReadTurn), else the
+    model family's own parser (Qwen2.5's where there is no family)."""
+    own = encoder.family.parser if encoder.family is not None else get_parser("qwen25")
+    if turn.reading is None:
+        return own
+    fallback = own.name if encoder.family is not None else None
+    return ReadTurn(reader.name if reader is not None else "sglang", text, turn.reading, fallback)
+
+
 async def step_env(
-    runner: EnvRunner, trajectory: Trajectory, *, encoder: ChatEncoder, skip_special_tokens: bool = True
+    runner: EnvRunner,
+    trajectory: Trajectory,
+    *,
+    encoder: ChatEncoder,
+    skip_special_tokens: bool = True,
+    reader: ServerReader | None = None,
 ) -> StepResult:
     """Step 4: the env answers the model's last turn (decoded as SGLang's `text` would be, with or
-    without special tokens). While it steps, `engine.parsers.current_parser()` is the model family's (and
-    `reasoning_open()` says whether the turn started inside `<think>`), so the env's
-    `parse_tool_calls(text, tools)` reads the family's syntax and skips the reasoning."""
+    without special tokens). While it steps, `engine.parsers.current_parser()` is the model family's, or the
+    server's reading of this turn (`turn_parser`), and `reasoning_open()` says whether the turn started inside
+    `<think>`, so the env's `parse_tool_calls(text, tools)` reads the family's syntax and skips the reasoning."""
     turn = trajectory.turns[-1]
     text = encoder.response_text(trajectory.generated_ids(turn).tolist(), skip_special_tokens=skip_special_tokens)
     started = time.monotonic()
-    parser = encoder.family.parser if encoder.family is not None else "qwen25"
-    with use_parser(parser, in_reasoning=encoder.opens_reasoning):
+    with use_parser(turn_parser(turn, text, encoder, reader), in_reasoning=encoder.opens_reasoning):
         step = await runner.step(text)  # env code parsing tool calls gets the family's parser
     turn.env_seconds = time.monotonic() - started
     return step

@@ -87,10 +87,12 @@ VERDICTS: dict[str, dict[str, Cause]] = {
     "mistralai-Devstral-Small-2-24B-Instruct-2512": {},
     # Families the engine does not know (issue 37): replies are plain text. M2.7's prompt opens `<think>\n`, which
     # history leaves out of a reply without reasoning; M3's history writes `</mm:think>` before such a reply, which
-    # its prompt did not. Both raise on a tool message after a reply without a structured call, as the engine's are.
+    # its prompt did not. Tool observations encode (the encoder's dummy reply makes a structured call), but the whole
+    # conversation, with replies as text (no parser reads its calls), raises on a tool message after such a reply.
     "MiniMaxAI-MiniMax-M2.7": dict.fromkeys(set(TEXT) - set(TOOL_SCENARIOS), H)
-    | dict.fromkeys(TOOL_SCENARIOS, NO_ROLE),
-    "MiniMaxAI-MiniMax-M3": dict.fromkeys(set(TEXT) - set(TOOL_SCENARIOS), H) | dict.fromkeys(TOOL_SCENARIOS, NO_ROLE),
+    | dict.fromkeys(TOOL_SCENARIOS, RAISES),
+    "MiniMaxAI-MiniMax-M3": dict.fromkeys(set(TEXT) - set(TOOL_SCENARIOS), H)
+    | dict.fromkeys(TOOL_SCENARIOS, RAISES),
     # Its prompt opens `<think>`; history writes `<think></think>` before each reply that has no reasoning.
     "inclusionAI-Ling-3.0-flash": dict.fromkeys(TEXT, H),
     # ChatML that drops the reasoning of replies before the last user query.

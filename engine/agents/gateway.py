@@ -89,6 +89,12 @@ class Gateway:
         on_finished: Callable[[Session, list[Trajectory]], None] | None = None,
         gc_freeze: bool = True,
     ):
+        reader = getattr(scheduler, "reader", None)
+        if reader is not None:  # replies are read as they stream, by the engine's parsers: never another's
+            raise ValueError(
+                f"the session gateway reads replies with the engine's own parsers, and this run's turns are read by "
+                f"SGLang's {reader.name!r} (turn_parser): give a model_family the engine has, with turn_parser auto"
+            )
         self.scheduler, self.model_name, self.client_sampling = scheduler, model_name, client_sampling
         self.idle_timeout_s = idle_timeout_s  # longest an agent may take between a reply and its next request
         self.limits = limits or GatewayLimits()

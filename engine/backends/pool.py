@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from typing import Any
 
-from engine.backends.affinity import Placement, PolicyName, ServerLoad, make_placement
+from engine.backends.affinity import Placement, PolicyName, ServerLoad, least_loaded, make_placement
 from engine.backends.base import Backend, GenerateResult, SamplingParams, TokenListener, can_stream
 from engine.backends.fanout import agreed_version, combined_error, gather, log_failures
 from engine.errors import BackendError
@@ -139,6 +139,10 @@ class BackendPool:
             self._tokens[index] -= len(input_ids)
             if rid is not None:
                 self._where.pop(rid, None)
+
+    async def read_turn(self, text: str, **names: Any) -> Any:
+        """A turn's text as SGLang's parsers read it, on the least loaded server (it is a short CPU job there)."""
+        return await self.backends[least_loaded(self.loads())].read_turn(text, **names)
 
     async def abort(self, rid: str | None = None) -> None:
         if rid is not None and rid in self._where:

@@ -48,10 +48,12 @@ import httpx2
 from engine.backends.base import GenerateResult, SamplingParams, TokenListener, notify
 from engine.backends.fanout import agreed_version, combined_error, gather, log_failures
 from engine.backends.sglang_format import THREAD_MIN_BYTES, JSONStrings, body_size, generate_body, parse_generate_reply
+from engine.backends.sglang_read import read_turn
 from engine.backends.sglang_stream import read_stream
 from engine.backends.transport import HTTPServer, http_transport
 from engine.backends.workers import list_workers
 from engine.errors import BackendError, ErrorClass
+from engine.parsers.base import ParsedTurn
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
@@ -154,6 +156,22 @@ class SGLangBackend:
     async def worker_urls(self) -> list[str]:
         """The URLs of the router's workers as it lists them now; the server's own, when this is a server."""
         return [server.url for server in await self._control_servers()]
+
+    async def read_turn(
+        self, text: str, *, tools: list[dict[str, Any]], tool_call_parser: str | None, reasoning_parser: str | None
+    ) -> ParsedTurn:
+        """A turn's text as SGLang's own parsers read it (engine/backends/sglang_read.py): on the server, or on
+        the router's workers in turn (sglang-router does not route the parsing endpoints)."""
+        if self.is_router is False:
+            servers = [self._server]
+        else:  # the workers listed last (each control call lists them anew)
+            servers = list(self._workers.values()) or await self._control_servers()
+        if not servers:
+            raise self._server.error(ErrorClass.SERVER, "POST /parse_function_call", "the router lists no workers")
+        server = servers[next(self._serial) % len(servers)]
+        return await read_turn(
+            server, text, tools=tools, tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser
+        )
 
     async def _each(
         self, what: str, call: Callable[[HTTPServer], Awaitable[T]], *, strict: bool = False

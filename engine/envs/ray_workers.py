@@ -47,6 +47,7 @@ from engine.envs.deadlines import Deadlines
 from engine.envs.loader import EnvFactory
 from engine.errors import EnvError, ErrorClass, user_traceback
 from engine.parsers import current_parser, reasoning_open, use_parser
+from engine.parsers.read import ReadTurn
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +99,7 @@ class EnvWorker:
         key: str,
         response_text: str,
         step_timeout: float | None,
-        parser: str = "qwen25",
+        parser: str | ReadTurn = "qwen25",
         in_reasoning: bool = False,
     ) -> Reply:
         """The step's (observation, done, info) and, unless done, its chat message or the format error; the
@@ -331,9 +332,11 @@ class RemoteEnvRunner:
         return observation if isinstance(observation, dict) else {}
 
     async def step(self, response_text: str) -> StepResult:
+        parser = current_parser()  # by name, or as it is where the server read the turn (it is this turn's)
         observation, done, info, self._message, self._format_error = await self._call(
-            "step", response_text, self.step_timeout, current_parser().name, reasoning_open()
-        )
+            "step", response_text, self.step_timeout, parser if isinstance(parser, ReadTurn) else parser.name,
+            reasoning_open(),
+        )  # fmt: skip
         self._observation = observation
         return StepResult(observation, done, info)
 

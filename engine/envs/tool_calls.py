@@ -56,7 +56,8 @@ class Tool:
         }
 
     def example_call(self, parser: OutputParser | None = None) -> str:
-        """The example call as the family writes it (the current family's by default)."""
+        """The example call as the family writes it (the current family's by default); "" where the parser cannot
+        write one."""
         return (parser or current_parser()).format_call(self.name, dict(self.example))
 
 
@@ -83,7 +84,8 @@ class MalformedToolCall(ValueError):
         super().__init__(detail)
         self.kind = kind
         self.detail = detail
-        examples = "\n".join(tool.example_call(parser) for tool in tools)
+        # none where the parser cannot write a call (a turn SGLang read, of a family the engine has no parser for)
+        examples = "\n".join(filter(None, (tool.example_call(parser) for tool in tools)))
         hint = f"\nA well-formed call:\n{examples}" if examples else ""
         self.observation = f"Tool call error ({kind}): {detail}.{hint}"
 

@@ -38,12 +38,14 @@ from engine.errors import (
     TurnError,
 )
 from engine.metrics.events import Observer
+from engine.parsers import use_parser
 from engine.scheduler.partial import VersionClock
 from engine.scheduler.queue import Phase, Policy, PriorityLimiter, SchedulerStatistics, priority_key
 from engine.scheduler.retry import CircuitBreaker, RetryBudget, RetryPolicy
 from engine.scheduler.signals import Broadcast
 from engine.trajectory import Status, StopReason, Trajectory
 from engine.turn import (
+    ServerReader,
     TurnLimits,
     close_env,
     encode_prompt,
@@ -53,6 +55,7 @@ from engine.turn import (
     out_of_room,
     record_failure,
     step_env,
+    turn_parser,
 )
 
 log = logging.getLogger(__name__)
@@ -97,11 +100,13 @@ class Scheduler:
         observers: Sequence[Observer] = (),
         seed: int = 0,
         seed_base: int | None = None,
+        reader: ServerReader | None = None,
     ):
         """`end_on_abort`: a request aborted by someone else (not by a pause of this scheduler: slime's
         own end-of-step abort, say) ends its trajectory ABORTED; otherwise it is a SERVER error, retried. A stream
         that broke mid-way (`STREAM_BROKEN`) is a SERVER error either way: the turn goes on from its tokens."""
         self.backend, self.encoder, self.sampling, self.limits = backend, encoder, sampling, limits
+        self.reader = reader  # SGLang's parsers read each turn on the servers (turn_parser); None: the engine's
         # a backend over several servers places sessions; told when one ends (BackendPool.end_session)
         self._end_session: Callable[[str], None] | None = getattr(backend, "end_session", None)
         self.retry, self.breaker = retry, breaker
@@ -207,12 +212,15 @@ class Scheduler:
             encoder = self._take_prompt(trajectory, first)
         await encode_prompt(trajectory, encoder)  # 1
         trajectory.transition(Status.RUNNING)
-        step = partial(step_env, trajectory=trajectory, encoder=encoder, skip_special_tokens=skip_special)
+        step = partial(
+            step_env, trajectory=trajectory, encoder=encoder, skip_special_tokens=skip_special, reader=self.reader
+        )
         while True:
             stop = out_of_room(trajectory, self.limits)
             while stop is None:
                 stop = await self._generate(trajectory, env, budget, sampling, encoder, end_on_abort)  # 2, 3
                 if stop is None:
+                    await self._read(trajectory, budget, encoder)  # 3b, where the servers read turns
                     result = await self._env_call(
                         trajectory, budget, env, step, encoder=encoder, skip_special=skip_special
                     )  # 4
@@ -413,11 +421,30 @@ class Scheduler:
     async def _replay(
         self, trajectory: Trajectory, runner: EnvRunner, encoder: ChatEncoder, skip_special: bool
     ) -> None:
-        """Reset the env and step it through every earlier turn's response, so its state is rebuilt."""
+        """Reset the env and step it through every earlier turn's response, each read as it was the first time,
+        so its state is rebuilt."""
         await runner.reset()
         for turn in trajectory.turns[:-1]:
             text = encoder.response_text(trajectory.generated_ids(turn).tolist(), skip_special_tokens=skip_special)
-            await runner.step(text)
+            with use_parser(turn_parser(turn, text, encoder, self.reader), in_reasoning=encoder.opens_reasoning):
+                await runner.step(text)
+
+    async def _read(self, trajectory: Trajectory, budget: RetryBudget, encoder: ChatEncoder) -> None:
+        """Step 3b: the servers' parsers read the turn just generated (`Turn.reading`), where they read turns; a
+        backend error is retried within its class's budget, as a generation's is."""
+        turn = trajectory.turns[-1]
+        if self.reader is None or turn.reading is not None:
+            return
+        generated = trajectory.generated_ids(turn).tolist()
+        while True:
+            try:
+                turn.reading = await self.reader.read(generated, encoder)
+                return
+            except BackendError as exc:
+                if not exc.retryable:
+                    raise exc.noted(f"reading the turn with SGLang's {self.reader.name} parser") from exc
+                attempt = self._charge(trajectory, budget, exc)
+            await anyio.sleep(self.retry.backoff(attempt, self._rng))
 
     async def _format(
         self, trajectory: Trajectory, budget: RetryBudget, runner: EnvRunner, observation: dict[str, Any]
