@@ -52,7 +52,7 @@ import anyio
 import orjson
 
 from engine.errors import ObservationError
-from engine.families import ModelFamily, find_family
+from engine.families import NAMES, ModelFamily, find_family
 from engine.multimodal import ImagePayloads, load_image
 
 if TYPE_CHECKING:
@@ -195,14 +195,23 @@ class ChatEncoder:
             force_reasoning=settings.reasoning_parser in FORCED_REASONING,
         )
 
-    def check_env(self, env: str, roles: tuple[str, ...], *, skip_special_tokens: bool) -> None:
+    def check_env(
+        self, env: str, roles: tuple[str, ...], *, skip_special_tokens: bool, read_by_server: bool = False
+    ) -> None:
         """One ValueError at start where an env that declares the roles of its observations cannot run with this
         template: the template cannot render a message of such a role at all (gemma-3 has no tool role), or the
-        env reads tool calls (it sends tool observations) whose delimiters are special tokens decoding drops
-        (`skip_special_tokens`: Kimi-K2's, gpt-oss's, DeepSeek's)."""
+        env reads tool calls (it sends tool observations) and no parser reads this model's: its template is of no
+        family the engine has, and no SGLang server reads its turns (`read_by_server`), or its delimiters are
+        special tokens decoding drops (`skip_special_tokens`: Kimi-K2's, gpt-oss's, DeepSeek's)."""
         for role in roles:
             if (problem := self.role_problem(role)) is not None:
                 raise ValueError(f"env {env} sends {role!r} observations, but the chat template {problem}")
+        if "tool" in roles and self.family is None and not read_by_server:
+            raise ValueError(
+                f"env {env} reads tool calls, but the chat template is of no model family the engine has a parser "
+                f"for ({', '.join(NAMES)}), so no parser knows how this model writes a call: name its family with "
+                "model_family (SGLang's --tool-call-parser name; one the engine lacks is read by SGLang on its servers)"
+            )
         if "tool" in roles and skip_special_tokens and self.family is not None:
             special = set(self.tokenizer.all_special_tokens) | {
                 t.content for t in self.tokenizer.added_tokens_decoder.values() if t.special

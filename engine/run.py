@@ -63,7 +63,10 @@ class Run:
         )
         rows = _load_rows(args, config)  # after the env module is checked: its make_prompts, if no --prompts
         encoder = load_encoder(config)
-        encoder.check_env(config.env_path, make_env.observation_roles, skip_special_tokens=config.skip_special_tokens)
+        encoder.check_env(
+            config.env_path, make_env.observation_roles, skip_special_tokens=config.skip_special_tokens,
+            read_by_server=config.server_parsers is not None and config.server_parsers[0] is not None,
+        )  # fmt: skip
         model = load_local_model(config)
         make_env = hosted(
             make_env,

@@ -297,6 +297,8 @@ def sampled_reply(
         text = after[start + len(encoder.generation_prompt) :]
     if CONTENT_MARK not in text and content:
         raise ValueError(f"the template does not write an assistant message's content: {text[:60]!r}")
+    if reasoning and REASONING_MARK not in text:  # the template leaves it out: the model still writes it
+        text = _with_reasoning(text, encoder.opens_reasoning)
     stops = [t for t in encoder.end_texts if encoder.family is None or t in encoder.family.stop_tokens]
     at, token = min(((text.find(t), t) for t in stops if t in text), default=(len(text), None))
     written = text[:at].replace(CONTENT_MARK, content).replace(REASONING_MARK, reasoning)
@@ -304,6 +306,21 @@ def sampled_reply(
     if token is None:  # the template writes no end after it: the model stops on the next message's opener
         return ids + encoder.closing_ids(ids, following)
     return [*ids, encoder.tokenizer.convert_tokens_to_ids(token)]
+
+
+EMPTY_THINK = re.compile(r"<think>(\s*)</think>")
+
+
+def _with_reasoning(text: str, opened: bool) -> str:
+    """A reply the template writes without its reasoning, as a model that reasons samples it: the empty think
+    block the template writes (Kimi-K2-Thinking's `<think></think>`) filled, or the reasoning before the
+    `</think>` that closes the block the generation prompt opened (Kimi-K2.5's). A template that writes no think
+    block at all is of a model that does not reason there: its reply stays as written."""
+    if (empty := EMPTY_THINK.search(text)) is not None:
+        return f"{text[: empty.start()]}<think>{REASONING_MARK}</think>{text[empty.end() :]}"
+    if opened and text.lstrip().startswith("</think>"):
+        return REASONING_MARK + text
+    return text
 
 
 def _raised(scenario: Scenario, stage: str, exc: Exception, what: str) -> Finding:

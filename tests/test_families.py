@@ -11,12 +11,23 @@ engine reports for it today, written down so that a change either way shows here
 
 from __future__ import annotations
 
+import json
+
+import anyio
 import pytest
 
+from engine.config import EngineConfig
 from engine.encoding import ChatEncoder
+from engine.engine import RolloutEngine
+from engine.envs.base import EnvRunner
 from engine.families import FAMILIES, family_named, find_family
-from engine.template_check import Target, check_template
+from engine.metrics.recorder import MetricsRecorder
+from engine.scheduler.retry import RetryPolicy
+from engine.template_check import EMPTY_THINK, Target, check_template, sampled_reply
 from engine.template_drift import SCENARIOS, Cause
+from engine.trajectory import Status
+from engine.turn import TurnLimits
+from tests.fakes import ScriptedBackend, ScriptedEnv
 from tests.family_fixtures import FAMILY_TEMPLATES, NAMES, family_tokenizer
 
 H, SYS, SEP = Cause.HISTORY_REWRITTEN, Cause.SYSTEM_MOVED, Cause.SEPARATORS
@@ -63,7 +74,9 @@ VERDICTS: dict[str, dict[str, Cause]] = {
     # The system prompt goes into the last user message; without one, the dummy's system prompt shows up there.
     "mistralai-Mistral-Nemo-Instruct-2407": dict.fromkeys(TEXT, SYS),
     "moonshotai-Kimi-K2-Instruct": {},
-    "moonshotai-Kimi-K2-Thinking": {"trailing-space": H},  # the content trimmed in history
+    # The content trimmed in history; an earlier reply's reasoning left out (the template writes `<think></think>`
+    # for a reply without reasoning_content, so a scenario that gives none to a model that reasons would pass).
+    "moonshotai-Kimi-K2-Thinking": {"trailing-space": H, "reasoning": H},
     # History ends a final answer with <|end|> where the model sampled <|return|>, and drops its analysis
     # channel; a call ends in <|call|> as sampled, and its analysis stays until a final answer follows.
     "openai-gpt-oss-120b": dict.fromkeys(("user", "no-system", "user+tools", "reasoning", "trailing-space"), H),
@@ -76,7 +89,7 @@ VERDICTS: dict[str, dict[str, Cause]] = {
     | dict.fromkeys(("tool", "tool+tools"), SEP),
     "stepfun-ai-Step-3.5-Flash": dict.fromkeys(set(TEXT) - {"reasoning+tool", "tool", "tool+tools"}, H)
     | dict.fromkeys(("tool", "tool+tools"), SEP),
-    "moonshotai-Kimi-K2.5": {"trailing-space": H},  # Kimi-K2-Thinking's layout: the content trimmed in history
+    "moonshotai-Kimi-K2.5": {"trailing-space": H, "reasoning": H},  # Kimi-K2-Thinking's layout
     # GLM-4.7's rule (`<think>` opened by the prompt, `</think>` alone in history before the last user message), but
     # with tool observations only the reply keeps its think block as sampled: both tool scenarios are exact.
     "zai-org-GLM-5.1": dict.fromkeys(set(TEXT) - {"reasoning+tool", "tool", "tool+tools"}, H),
@@ -89,10 +102,8 @@ VERDICTS: dict[str, dict[str, Cause]] = {
     # history leaves out of a reply without reasoning; M3's history writes `</mm:think>` before such a reply, which
     # its prompt did not. Tool observations encode (the encoder's dummy reply makes a structured call), but the whole
     # conversation, with replies as text (no parser reads its calls), raises on a tool message after such a reply.
-    "MiniMaxAI-MiniMax-M2.7": dict.fromkeys(set(TEXT) - set(TOOL_SCENARIOS), H)
-    | dict.fromkeys(TOOL_SCENARIOS, RAISES),
-    "MiniMaxAI-MiniMax-M3": dict.fromkeys(set(TEXT) - set(TOOL_SCENARIOS), H)
-    | dict.fromkeys(TOOL_SCENARIOS, RAISES),
+    "MiniMaxAI-MiniMax-M2.7": dict.fromkeys(set(TEXT) - set(TOOL_SCENARIOS), H) | dict.fromkeys(TOOL_SCENARIOS, RAISES),
+    "MiniMaxAI-MiniMax-M3": dict.fromkeys(set(TEXT) - set(TOOL_SCENARIOS), H) | dict.fromkeys(TOOL_SCENARIOS, RAISES),
     # Its prompt opens `<think>`; history writes `<think></think>` before each reply that has no reasoning.
     "inclusionAI-Ling-3.0-flash": dict.fromkeys(TEXT, H),
     # ChatML that drops the reasoning of replies before the last user query.
@@ -189,3 +200,91 @@ def test_a_tool_message_without_the_call_it_answers_gets_the_models_call():
     broken = tokenizer("<|tool_calls_section_begin|><|tool_call_begin|>", add_special_tokens=False)["input_ids"]
     assert encoder.naming_the_calls(bare, broken) == bare
     assert encoder.naming_the_calls({"role": "user", "content": "1"}, generated) == {"role": "user", "content": "1"}
+
+
+# -- check-template against the runtime's own drift check -------------------------------------------------------
+
+
+async def runtime_verdict(tokenizer, scenario) -> str:
+    """The scenario's conversation run by the engine itself (RolloutEngine, an env answering with the scenario's
+    observations, the replies check-template samples), with the runtime drift check on every trajectory: "exact",
+    "drift", or "fails" (the trajectory failed: a template that raises)."""
+    encoder = ChatEncoder(tokenizer, tools=scenario.tools)
+    prompt, observations = scenario.prompt(), scenario.observations(encoder)
+    replies = [
+        sampled_reply(encoder, prompt, reply, following)
+        for reply, following in zip(scenario.replies(encoder), [*observations, None], strict=True)
+    ]
+    recorder = MetricsRecorder()
+    config = EngineConfig(
+        n_samples_per_prompt=1, drift_check_every=1, max_failed_share=1.0, retry=RetryPolicy(backoff_base_s=0.0),
+        limits=TurnLimits(max_turns=len(replies), max_tokens=8192), max_new_tokens=4096,
+    )  # fmt: skip
+    env = ScriptedEnv(observations=[*observations, {"role": "user", "content": "done"}], done_at_end=False)
+    async with RolloutEngine(
+        backend=ScriptedBackend(replies), encoder=encoder, env_factory=lambda sample: EnvRunner(env),
+        source=[{"prompt": prompt, "label": ""}], config=config, observers=[recorder],
+    ) as engine:  # fmt: skip
+        [group] = await engine.rollout(1)
+    [trajectory] = group.trajectories
+    if trajectory.status is Status.FAILED:
+        return "fails"
+    assert len(trajectory.turns) == len(replies) and sum(recorder.drift_checks.values()) == 1
+    return next(iter(recorder.drift_checks))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_no_scenario_passes_that_the_runtime_drift_check_flags(name):
+    """check-template's verdict per scenario against the engine's own run of the same replies with
+    `drift_check_every=1`: exact in check-template is exact at runtime, and a drift at the end is one there."""
+    tokenizer = family_tokenizer(name)
+    report = {f.scenario: f for f in check_template(Target(name, tokenizer)).findings}
+    disagree = {}
+    for scenario in SCENARIOS:
+        finding = report.get(scenario.name)
+        if scenario.images or finding is None or finding.cause in (NO_ROLE, Cause.NO_TURN_BOUNDARY):
+            continue  # no images here; a template the engine refuses at start has no runtime to compare
+        if not finding.exact and "a reply of the model" in finding.why:
+            continue  # the template writes no reply after its own generation prompt (R1-Distill): none to replay
+        if finding.exact or finding.checkpoint == "at the end" or finding.cause is RAISES:
+            runtime = anyio.run(runtime_verdict, tokenizer, scenario)
+            expected = "exact" if finding.exact else ("fails" if finding.cause is RAISES else "drift")
+            if runtime != expected and not (expected == "fails" and runtime == "drift"):
+                disagree[scenario.name] = (expected, runtime)
+    assert disagree == {}
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if find_family((FAMILY_TEMPLATES / f"{n}.jinja").read_text())])
+def test_check_templates_replies_are_what_the_family_writes_read_back_by_its_parser(name):
+    """The replies check-template samples are in the model's own shape: its parser reads back each reply's calls,
+    and its reasoning wherever the model reasons (the generation prompt opens the think block, or the template
+    writes an empty one for a reply): a template that leaves reasoning out of what it writes for a reply does not
+    leave it out of what the model samples (else the reasoning scenario passes where the runtime check drifts)."""
+    tokenizer = family_tokenizer(name)
+    for scenario in SCENARIOS:
+        if not scenario.reply.startswith("reasoning") and not scenario.reply.endswith("call"):
+            continue
+        encoder = ChatEncoder(tokenizer, tools=scenario.tools)
+        replies, observations = scenario.replies(encoder), scenario.observations(encoder)
+        plain = encoder.render([*scenario.prompt(), {"role": "assistant", "content": "x"}], add_generation_prompt=False)
+        reasons = encoder.opens_reasoning or EMPTY_THINK.search(plain) is not None
+        for reply, following in zip(replies, [*observations, None], strict=True):
+            try:
+                sampled = sampled_reply(encoder, scenario.prompt(), reply, following)
+            except ValueError:
+                assert name == "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B"  # writes no reply after its own prompt
+                break
+            read = encoder.parse_turn(sampled)
+            written = [(c["function"]["name"], c["function"]["arguments"]) for c in reply.get("tool_calls", [])]
+            written = [(n, a if isinstance(a, dict) else json.loads(a)) for n, a in written]
+            # values written as bare text decode by the tools' declared types: without a tools list "40" reads as 40
+            assert [(c.name, as_text(c.arguments)) for c in read.tool_calls] == [(n, as_text(a)) for n, a in written], (
+                scenario.name,
+                reply,
+            )
+            if reasons and reply.get("reasoning_content"):
+                assert read.reasoning.strip() == reply["reasoning_content"], (scenario.name, read)
+
+
+def as_text(arguments: dict) -> dict:
+    return {key: str(value) for key, value in arguments.items()}

@@ -112,19 +112,20 @@ def test_qwen35_image_observations_reach_the_model_with_the_qwen_vl_processor():
 
 
 # -- families the engine does not know ----------------------------------------------------------------------
-# status, stop reason, turns, whether a run refuses an env that declares tool observations (`check_env`).
+# status, stop reason, turns (run without the start check), whether a run refuses an env that declares tool
+# observations (`check_env`): every one does, as no parser of the engine's reads the model's calls.
 UNKNOWN_FAMILIES: dict[str, tuple[Status, StopReason, int, bool]] = {
     # `<minimax:tool_call><invoke name=...>` is read by no parser of the engine's (SGLang's minimax-m2 reads it on
     # SGLang servers): each call reaches the env as text, the env answers with a user message, and ends the episode
     # at the call whose text carries "42". Tool observations encode (after a dummy structured call).
-    "MiniMaxAI-MiniMax-M2.7": (Status.COMPLETED, StopReason.ENV_DONE, 4, False),
+    "MiniMaxAI-MiniMax-M2.7": (Status.COMPLETED, StopReason.ENV_DONE, 4, True),
     # Its calls are `]<]minimax[>[<tool_call>...`: the default parser (qwen25's) finds `<tool_call>`, reads no JSON
     # after it and raises MalformedToolCall, so the env errs at the first call.
-    "MiniMaxAI-MiniMax-M3": (Status.FAILED, StopReason.ENV_ERROR, 1, False),
+    "MiniMaxAI-MiniMax-M3": (Status.FAILED, StopReason.ENV_ERROR, 1, True),
     # `<tool_call>calc_score<arg_key>...`: the same as M3.
-    "inclusionAI-Ling-3.0-flash": (Status.FAILED, StopReason.ENV_ERROR, 1, False),
+    "inclusionAI-Ling-3.0-flash": (Status.FAILED, StopReason.ENV_ERROR, 1, True),
     # `<function name="calc_score"><param ...>`: read by no parser, as M2.7's.
-    "openbmb-MiniCPM5-1B": (Status.COMPLETED, StopReason.ENV_DONE, 4, False),
+    "openbmb-MiniCPM5-1B": (Status.COMPLETED, StopReason.ENV_DONE, 4, True),
 }
 
 
@@ -163,8 +164,10 @@ async def test_a_five_turn_tool_trajectory_of_a_family_the_engine_does_not_know(
         encoder.check_env("calc", ("user", "tool"), skip_special_tokens=True)
         refused = False
     except ValueError as error:
-        refused = "cannot render a 'tool' message" in str(error)
+        refused = "is of no model family the engine has a parser for" in str(error)
     assert refused == refuses_tools
+    # the same env where SGLang's own parser reads the model's calls on its servers (turn_parser)
+    encoder.check_env("calc", ("user", "tool"), skip_special_tokens=True, read_by_server=True)
 
     trajectory, env = Trajectory(prompt=list(prompt)), CalcEnv()
     sampling = SamplingParams(max_new_tokens=512, stop_token_ids=encoder.stop_token_ids, skip_special_tokens=True)

@@ -57,6 +57,9 @@ REWRITTEN = {
     "stepfun-ai-Step-3.5-Flash": {2},
     "zai-org-GLM-5.1": {2},
     "zai-org-GLM-4.6V-Flash": {2},
+    # Their history writes an empty `<think></think>` (K2.5: `</think>`) where the model wrote its reasoning.
+    "moonshotai-Kimi-K2-Thinking": {2},
+    "moonshotai-Kimi-K2.5": {2},
 }
 
 # Mistral's template writes the system prompt into the last user message: a user observation carries the system
