@@ -30,6 +30,7 @@ class Cause(StrEnum):
     HISTORY_REWRITTEN = "history rewritten"  # earlier turns re-render differently (reasoning dropped, text trimmed)
     SYSTEM_MOVED = "system prompt moved"  # the start of the conversation, or the system text, moves as it grows
     SEPARATORS = "separators differ"  # only whitespace between turns differs
+    MERGED_TOKEN = "token merged at a boundary"  # the same text, tokenized across where two parts meet
     ROLES_ALTERNATE = "roles forced to alternate"  # the template raises on a role order
     TEMPLATE_RAISES = "template raises on a shape"  # the template raises on some other message shape
     NO_ROLE = "no such role"  # the template cannot render a message of the observation's role at all (gemma-3's tool)
@@ -240,6 +241,8 @@ SCENARIOS = (
 
 def classify(encoder: ChatEncoder, trajectory: Trajectory, report: DriftReport) -> tuple[Cause, str]:
     """Why the full render differs from the trajectory at `report.position`, and one sentence saying so."""
+    if _same_text(report.expected, report.actual):
+        return Cause.MERGED_TOKEN, _where_merged(trajectory, report)
     if report.part == "generated":
         return Cause.HISTORY_REWRITTEN, _how_reply_changed(encoder, report)
     if _whitespace_only(report.expected, report.actual):
@@ -291,6 +294,27 @@ def _how_reply_changed(encoder: ChatEncoder, report: DriftReport) -> str:
                 f"the template drops the reasoning of reply {n} (its </think>, after the generation prompt's <think>)"
             )
     return f"the template writes reply {n} differently from what the model generated (its text, or its tool call)"
+
+
+def _same_text(expected: str, actual: str) -> bool:
+    """The two contexts are one text (as far as the shorter one goes), tokenized differently."""
+    return expected != actual and (expected.startswith(actual) or actual.startswith(expected))
+
+
+def _where_merged(trajectory: Trajectory, report: DriftReport) -> str:
+    """Which two parts meet where the full render tokenizes their text as one token."""
+    if report.part == "prompt":
+        where = "the generation prompt's end and reply 0"
+    elif report.part == "generated":
+        turn = trajectory.turns[report.turn]
+        at_start = report.position <= trajectory.prompt_length + turn.start
+        where = f"what precedes reply {report.turn} and the reply" if at_start else f"reply {report.turn}'s own tokens"
+    else:
+        where = f"the observation after turn {report.turn} and what follows it"
+    return (
+        f"the text is the same, but the full render tokenizes it otherwise where {where} meet: the model sampled "
+        "across that boundary token by token, and a re-render merges them"
+    )
 
 
 def _whitespace_only(expected: str, actual: str) -> bool:

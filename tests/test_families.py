@@ -30,7 +30,7 @@ from engine.turn import TurnLimits
 from tests.fakes import ScriptedBackend, ScriptedEnv
 from tests.family_fixtures import FAMILY_TEMPLATES, NAMES, family_tokenizer
 
-H, SYS, SEP = Cause.HISTORY_REWRITTEN, Cause.SYSTEM_MOVED, Cause.SEPARATORS
+H, SYS, MERGED = Cause.HISTORY_REWRITTEN, Cause.SYSTEM_MOVED, Cause.MERGED_TOKEN
 RAISES, NO_ROLE = Cause.TEMPLATE_RAISES, Cause.NO_ROLE
 TEXT = [s.name for s in SCENARIOS if not s.images]
 TOOL_SCENARIOS = ("tool", "tool+tools", "reasoning+tool")
@@ -86,9 +86,9 @@ VERDICTS: dict[str, dict[str, Cause]] = {
     # that `<think>` included (Qwen3-Thinking's rule). A call without reasoning: the prompt's `<think>\n` and the
     # reply's `\n</think>` meet at a token boundary that a re-render tokenizes as one `\n\n` (Step-3.5 the same).
     "Qwen-Qwen3.5-4B": dict.fromkeys(set(TEXT) - {"reasoning+tool", "tool", "tool+tools"}, H)
-    | dict.fromkeys(("tool", "tool+tools"), SEP),
+    | dict.fromkeys(("tool", "tool+tools"), MERGED),
     "stepfun-ai-Step-3.5-Flash": dict.fromkeys(set(TEXT) - {"reasoning+tool", "tool", "tool+tools"}, H)
-    | dict.fromkeys(("tool", "tool+tools"), SEP),
+    | dict.fromkeys(("tool", "tool+tools"), MERGED),
     "moonshotai-Kimi-K2.5": {"trailing-space": H, "reasoning": H},  # Kimi-K2-Thinking's layout
     # GLM-4.7's rule (`<think>` opened by the prompt, `</think>` alone in history before the last user message), but
     # with tool observations only the reply keeps its think block as sampled: both tool scenarios are exact.
@@ -288,3 +288,13 @@ def test_check_templates_replies_are_what_the_family_writes_read_back_by_its_par
 
 def as_text(arguments: dict) -> dict:
     return {key: str(value) for key, value in arguments.items()}
+
+
+def test_a_token_merged_where_the_prompt_and_the_reply_meet_is_named_so():
+    """Qwen3.5's generation prompt ends `<think>\\n` and a reply without reasoning starts `\\n</think>`: the same
+    text, which a re-render tokenizes as one `\\n\\n` token. Not "separators between turns": a merged token, and
+    where."""
+    name = "Qwen-Qwen3.5-4B"
+    [finding] = [f for f in check_template(Target(name, family_tokenizer(name))).findings if f.scenario == "tool"]
+    assert finding.cause is MERGED and finding.part == "prompt"
+    assert "where the generation prompt's end and reply 0 meet" in finding.why
