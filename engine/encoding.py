@@ -54,9 +54,9 @@ import orjson
 from engine.errors import ObservationError
 from engine.families import NAMES, ModelFamily, find_family
 from engine.multimodal import ImagePayloads, load_image
+from engine.parsers.base import OutputParser, ParsedTurn
 
 if TYPE_CHECKING:
-    from engine.parsers import ParsedTurn
     from engine.trajectory import Trajectory
 
 ASSISTANT_SENTINEL = "I am the assistant of this dummy conversation."
@@ -168,6 +168,26 @@ class ChatEncoder:
         return self._stop_ids
 
     @property
+    def parser(self) -> OutputParser | None:
+        """The output parser of this model's turns: its family's, else one read off the template (engine/probe.py:
+        how it writes a structured call); None where neither reads it (`parser_problem` says why)."""
+        return self._probed[0]
+
+    @property
+    def parser_problem(self) -> str | None:
+        return self._probed[1]
+
+    @functools.cached_property
+    def _probed(self) -> tuple[OutputParser | None, str | None]:
+        if self.family is not None:
+            return self.family.parser, None
+        from engine.parsers.probed import ProbedParser
+        from engine.probe import probe_layout
+
+        layout, problem = probe_layout(self)
+        return (ProbedParser(layout) if layout is not None else None), problem
+
+    @property
     def end_texts(self) -> tuple[str, ...]:
         """The tokens (as text) that can end an assistant message in this template: the family's sampled and
         history end tokens the tokenizer has, or the template's one end-of-turn token."""
@@ -186,6 +206,8 @@ class ChatEncoder:
         from engine.families import FORCED_REASONING, family_named, has_family
 
         named = settings.model_family
+        if named is None and settings.tokenizer == "qwen2.5" and not getattr(settings, "chat_template", None):
+            named = "qwen25"  # the embedded tokenizer's, its VL processor's template (no tools in it) included
         family = family_named(named) if named and has_family(named) else None  # else SGLang's to read
         return cls(
             tokenizer,
@@ -206,20 +228,22 @@ class ChatEncoder:
         for role in roles:
             if (problem := self.role_problem(role)) is not None:
                 raise ValueError(f"env {env} sends {role!r} observations, but the chat template {problem}")
-        if "tool" in roles and self.family is None and not read_by_server:
+        if "tool" in roles and self.parser is None and not read_by_server:
             raise ValueError(
                 f"env {env} reads tool calls, but the chat template is of no model family the engine has a parser "
-                f"for ({', '.join(NAMES)}), so no parser knows how this model writes a call: name its family with "
-                "model_family (SGLang's --tool-call-parser name; one the engine lacks is read by SGLang on its servers)"
+                f"for ({', '.join(NAMES)}), and its call syntax cannot be read off it ({self.parser_problem}): name "
+                "its family with model_family (SGLang's --tool-call-parser name; one the engine lacks is read by "
+                "SGLang on its servers)"
             )
-        if "tool" in roles and skip_special_tokens and self.family is not None:
+        if "tool" in roles and skip_special_tokens and self.parser is not None and not read_by_server:
             special = set(self.tokenizer.all_special_tokens) | {
                 t.content for t in self.tokenizer.added_tokens_decoder.values() if t.special
             }
-            dropped = [d for d in self.family.parser.delimiters if d in special]
+            dropped = [d for d in self.parser.delimiters if d in special]
             if dropped:
+                family = f"the {self.family.name} family" if self.family is not None else "the model"
                 raise ValueError(
-                    f"env {env} reads tool calls, but the {self.family.name} family writes them with special tokens "
+                    f"env {env} reads tool calls, but {family} writes them with special tokens "
                     f"({' '.join(dropped)}) that skip_special_tokens drops from the text the env reads: set "
                     "skip_special_tokens: false (under slime, leave out --rollout-skip-special-tokens)"
                 )
@@ -264,6 +288,8 @@ class ChatEncoder:
                 family=self.family,
                 force_reasoning=self.force_reasoning,
             )
+        if "_probed" in self.__dict__ and self.family is None:  # the template's call syntax, read once
+            encoder.__dict__["_probed"] = self._probed
         self._with_tools[key] = encoder  # the newest last
         while len(self._with_tools) > self.max_tool_sets:
             del self._with_tools[next(iter(self._with_tools))]
@@ -325,21 +351,20 @@ class ChatEncoder:
         return [end]
 
     def parse_turn(self, generated: list[int], *, tools: list[dict[str, Any]] | None = None) -> ParsedTurn:
-        """The model's turn read by its family's output parser (Qwen2.5's without a family): content,
-        reasoning and tool calls. Raises the parser's MalformedCall."""
-        from engine.parsers import get_parser
-
-        parser = self.family.parser if self.family is not None else get_parser("qwen25")
+        """The model's turn read by its parser (`parser`): content, reasoning and tool calls; all content where no
+        parser reads this model's turns. Raises the parser's MalformedCall."""
         text = self.assistant_text(generated)
-        return parser.parse(text, tools=tools or self.tools, in_reasoning=self.opens_reasoning)
+        if self.parser is None:
+            return ParsedTurn(text)
+        return self.parser.parse(text, tools=tools or self.tools, in_reasoning=self.opens_reasoning)
 
     def assistant_message(self, generated: list[int]) -> dict[str, Any]:
         """The model's turn as a chat message a re-render takes, as an agent framework or a trainer would
         build it: its content, its reasoning (`reasoning_content`, and harmony's `thinking`) and structured
-        `tool_calls`, by its family's parser. Plain text content when there is no family or the turn holds a
+        `tool_calls`, by its parser. Plain text content when no parser reads this model's turns or the turn holds a
         malformed call."""
         text = self.assistant_text(generated)
-        if self.family is None:
+        if self.parser is None:
             return {"role": "assistant", "content": text}
         from engine.parsers import MalformedCall
 
@@ -370,7 +395,7 @@ class ChatEncoder:
         well-formed call and messages past its calls are returned as they are, in the observation's shape."""
         messages = _as_messages(observation)
         unnamed = any(m.get("role") == "tool" and not (m.get("tool_call_id") and m.get("name")) for m in messages)
-        if self.family is None or not unnamed:
+        if self.parser is None or not unnamed:
             return observation
         from engine.parsers import MalformedCall
 
@@ -382,7 +407,8 @@ class ChatEncoder:
         for message in messages:
             if message.get("role") == "tool" and answered < len(calls):
                 call = calls[answered]
-                call_id = call.id or self.family.call_id(call.name, calls_before + answered)
+                number = calls_before + answered
+                call_id = call.id or (self.family.call_id(call.name, number) if self.family else f"call{number:05d}")
                 message = {
                     **message,
                     "tool_call_id": message.get("tool_call_id") or call_id,

@@ -269,7 +269,7 @@ def sampled_reply(
     samples the opener of `following` (a user message's at the end). It is cut at the first stop token,
     not at an end token of history (harmony ends its analysis message with `<|end|>` inside one turn)."""
     content = message.get("content") or ""
-    if encoder.family is None:  # no syntax of its own to write: the content as text, then the template's end token
+    if encoder.parser is None:  # no syntax known to write: the content as text, then the template's end token
         return [*encoder.tokenizer(content, add_special_tokens=False)["input_ids"], encoder.end_of_turn_id]
     reasoning = message.get("reasoning_content") or message.get("thinking") or ""
     stand_in = {**message, "content": CONTENT_MARK} if content else dict(message)
@@ -289,14 +289,25 @@ def sampled_reply(
         text = f"{REASONING_MARK if reasoning else ''}</think>{after[len(history) :].split('</think>', 1)[1]}"
     else:  # the reply makes the template write history otherwise (Kimi-K2-Thinking and gpt-oss drop earlier turns'
         # reasoning once a final answer follows them): what it writes after the generation prompt that opens it
+        # (a prompt that opens `<think>` may be written without it before a reply that has no reasoning: MiniMax-M2)
         marks = [after.rfind(mark) for mark in (REASONING_MARK, CONTENT_MARK) if mark in after]
-        start = after.rfind(encoder.generation_prompt, 0, min(marks)) if marks else -1
-        if start < 0:
+        limit = min(marks) if marks else len(after)
+        openers = [encoder.generation_prompt]
+        if encoder.opens_reasoning and not reasoning:
+            openers.append(encoder.generation_prompt.rpartition("<think>")[0])
+        starts = [(at, opener) for opener in openers if opener and (at := after.rfind(opener, 0, limit)) >= 0]
+        if not starts:
             rest = after[len(os.path.commonprefix([before, after])) :]
             raise ValueError(f"the template's assistant message does not follow its generation prompt: {rest[:60]!r}")
-        text = after[start + len(encoder.generation_prompt) :]
+        at, opener = starts[0]
+        text = after[at + len(opener) :]
+        if opener != encoder.generation_prompt:  # the model closes the block its prompt opened, as when it reasons
+            text = _closing_reasoning(encoder, shown, stand_in) + text.lstrip()
     if CONTENT_MARK not in text and content:
         raise ValueError(f"the template does not write an assistant message's content: {text[:60]!r}")
+    names = [call["function"]["name"] for call in message.get("tool_calls") or []]
+    if any(name not in text for name in names):
+        raise ValueError(f"the template does not write an assistant message's tool calls: {text[:60]!r}")
     if reasoning and REASONING_MARK not in text:  # the template leaves it out: the model still writes it
         text = _with_reasoning(text, encoder.opens_reasoning)
     stops = [t for t in encoder.end_texts if encoder.family is None or t in encoder.family.stop_tokens]
@@ -306,6 +317,16 @@ def sampled_reply(
     if token is None:  # the template writes no end after it: the model stops on the next message's opener
         return ids + encoder.closing_ids(ids, following)
     return [*ids, encoder.tokenizer.convert_tokens_to_ids(token)]
+
+
+def _closing_reasoning(encoder: ChatEncoder, context: list[dict[str, Any]], message: dict[str, Any]) -> str:
+    """What the template writes between a reply's reasoning and the rest (`\n</think>\n\n`): how a model whose
+    prompt opened the reasoning block closes it, an empty one included."""
+    reasoned = {**message, "content": CONTENT_MARK, "reasoning_content": REASONING_MARK}
+    text = encoder.render([*context, reasoned], add_generation_prompt=False)
+    if REASONING_MARK not in text or CONTENT_MARK not in text:
+        return "</think>"
+    return text[text.rindex(REASONING_MARK) + len(REASONING_MARK) : text.rindex(CONTENT_MARK)]
 
 
 EMPTY_THINK = re.compile(r"<think>(\s*)</think>")

@@ -176,17 +176,17 @@ class Scenario:
         return [*system, {"role": "user", "content": self._content(QUESTION, 84)}]
 
     def replies(self, encoder: ChatEncoder | None = None) -> list[dict[str, Any]]:
-        """The model's replies as assistant messages: for an encoder of a known family, reasoning in
-        `reasoning_content` (and harmony's `thinking`) and calls in `tool_calls` as its template takes them,
-        as the family's parser reads them; otherwise as text in the content: a call as its JSON, reasoning as
-        a `<think>` block."""
+        """The model's replies as assistant messages: for an encoder with a parser (its family's, or one read off
+        its template), reasoning in `reasoning_content` (and harmony's `thinking`) and calls in `tool_calls` as
+        its template takes them, as that parser reads them; otherwise as text in the content: a call as its JSON,
+        reasoning as a `<think>` block."""
         return [self._reply(i, 40 + i, encoder) for i in range(NUM_TURNS)]
 
     def _reply(self, i: int, answer: int, encoder: ChatEncoder | None) -> dict[str, Any]:
         text = (TRAILING_NEWLINE if self.reply == "trailing" else PLAIN).format(answer=answer)
         calls = self.reply.endswith("call")
         thinking = THINKING.format(i=i) if self.reply.startswith("reasoning") else ""
-        if encoder is None or encoder.family is None:
+        if encoder is None or encoder.parser is None:
             body = TOOL_CALL.format(answer=answer) if calls else text
             return {"role": "assistant", "content": f"<think>\n{thinking}\n</think>\n\n{body}" if thinking else body}
         message: dict[str, Any] = {"role": "assistant", "content": "" if calls else text}

@@ -232,12 +232,11 @@ class ServerReader:
 
 def turn_parser(turn: Turn, text: str, encoder: ChatEncoder, reader: ServerReader | None) -> OutputParser:
     """Who reads the turn `text` for the env: SGLang's reading where the server read it (ReadTurn), else the
-    model family's own parser (Qwen2.5's where there is no family)."""
-    own = encoder.family.parser if encoder.family is not None else get_parser("qwen25")
-    if turn.reading is None:
-        return own
-    fallback = own.name if encoder.family is not None else None
-    return ReadTurn(reader.name if reader is not None else "sglang", text, turn.reading, fallback)
+    encoder's parser (its family's, or one read off its template); Qwen2.5's only for an env that does not say it
+    reads tool calls, where neither is found."""
+    if turn.reading is not None:
+        return ReadTurn(reader.name if reader is not None else "sglang", text, turn.reading, encoder.parser)
+    return encoder.parser or get_parser("qwen25")  # no parser: an env that declares tool observations is refused
 
 
 async def step_env(

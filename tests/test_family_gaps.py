@@ -20,6 +20,7 @@ from PIL import Image
 from engine.backends.base import SamplingParams
 from engine.encoding import ChatEncoder
 from engine.envs.base import EnvRunner
+from engine.envs.tool_calls import ToolCall
 from engine.scheduler.reference import run_trajectory
 from engine.template_check import load_target
 from engine.trajectory import Status, StopReason, Trajectory
@@ -113,19 +114,21 @@ def test_qwen35_image_observations_reach_the_model_with_the_qwen_vl_processor():
 
 # -- families the engine does not know ----------------------------------------------------------------------
 # status, stop reason, turns (run without the start check), whether a run refuses an env that declares tool
-# observations (`check_env`): every one does, as no parser of the engine's reads the model's calls.
-UNKNOWN_FAMILIES: dict[str, tuple[Status, StopReason, int, bool]] = {
-    # `<minimax:tool_call><invoke name=...>` is read by no parser of the engine's (SGLang's minimax-m2 reads it on
-    # SGLang servers): each call reaches the env as text, the env answers with a user message, and ends the episode
-    # at the call whose text carries "42". Tool observations encode (after a dummy structured call).
-    "MiniMaxAI-MiniMax-M2.7": (Status.COMPLETED, StopReason.ENV_DONE, 4, True),
-    # Its calls are `]<]minimax[>[<tool_call>...`: the default parser (qwen25's) finds `<tool_call>`, reads no JSON
-    # after it and raises MalformedToolCall, so the env errs at the first call.
-    "MiniMaxAI-MiniMax-M3": (Status.FAILED, StopReason.ENV_ERROR, 1, True),
-    # `<tool_call>calc_score<arg_key>...`: the same as M3.
-    "inclusionAI-Ling-3.0-flash": (Status.FAILED, StopReason.ENV_ERROR, 1, True),
-    # `<function name="calc_score"><param ...>`: read by no parser, as M2.7's.
-    "openbmb-MiniCPM5-1B": (Status.COMPLETED, StopReason.ENV_DONE, 4, True),
+# observations (`check_env`), and whether the model's calls are read (by a parser read off the template).
+UNKNOWN_FAMILIES: dict[str, tuple[Status, StopReason, int, bool, bool]] = {
+    # `<minimax:tool_call>\n<invoke name="calc_score">\n<parameter name="answer">40</parameter>...`: the template's
+    # call syntax is read off it (engine/probe.py), so each call is read, answered with a tool message, and the
+    # episode ends at the final answer 42, as for a known family.
+    "MiniMaxAI-MiniMax-M2.7": (Status.COMPLETED, StopReason.ENV_DONE, 5, False, True),
+    # `]<]minimax[>[<invoke ...>]<]minimax[>[<answer>40]<]minimax[>[</answer>`: each argument closes with a tag
+    # named after it, which no probed layout reads; the start check refuses a tool env, naming why. Run anyway,
+    # the Qwen2.5 parser (the fallback of an env that says nothing) finds `<tool_call>`, reads no JSON after it and
+    # raises MalformedToolCall, so the env errs at the first call.
+    "MiniMaxAI-MiniMax-M3": (Status.FAILED, StopReason.ENV_ERROR, 1, True, False),
+    # `<tool_call>calc_score\n<arg_key>answer</arg_key>\n<arg_value>40</arg_value>\n</tool_call>`: read off it.
+    "inclusionAI-Ling-3.0-flash": (Status.COMPLETED, StopReason.ENV_DONE, 5, False, True),
+    # `<function name="calc_score"><param name="answer">40</param></function>`: read off it.
+    "openbmb-MiniCPM5-1B": (Status.COMPLETED, StopReason.ENV_DONE, 5, False, True),
 }
 
 
@@ -144,7 +147,7 @@ def written_reply(encoder: ChatEncoder, context: list[dict[str, Any]], message: 
 @pytest.mark.anyio
 @pytest.mark.parametrize("name", sorted(UNKNOWN_FAMILIES))
 async def test_a_five_turn_tool_trajectory_of_a_family_the_engine_does_not_know(name):
-    status, stop_reason, num_turns, refuses_tools = UNKNOWN_FAMILIES[name]
+    status, stop_reason, num_turns, refuses_tools, reads_calls = UNKNOWN_FAMILIES[name]
     encoder = ChatEncoder(family_tokenizer(name)).for_tools([CALC.schema()])
     assert encoder.family is None
     prompt = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]
@@ -165,6 +168,7 @@ async def test_a_five_turn_tool_trajectory_of_a_family_the_engine_does_not_know(
         refused = False
     except ValueError as error:
         refused = "is of no model family the engine has a parser for" in str(error)
+        assert "its call syntax cannot be read off it" in str(error)
     assert refused == refuses_tools
     # the same env where SGLang's own parser reads the model's calls on its servers (turn_parser)
     encoder.check_env("calc", ("user", "tool"), skip_special_tokens=True, read_by_server=True)
@@ -176,7 +180,11 @@ async def test_a_five_turn_tool_trajectory_of_a_family_the_engine_does_not_know(
         limits=TurnLimits(max_turns=8),
     )  # fmt: skip
     assert (trajectory.status, trajectory.stop_reason, len(trajectory.turns)) == (status, stop_reason, num_turns)
-    assert env.calls == [None] * len(env.calls)  # no call of the model's was read
+    if reads_calls:  # the calls of turns 1, 2 and 4, each as the model wrote it
+        made = [ToolCall("calc_score", {"answer": a}) if a else None for a in ("40", "41", None, "42", None)]
+        assert env.calls == made
+    else:
+        assert env.calls == [None] * len(env.calls)  # no call of the model's was read
     response = list(trajectory.response_ids)
     for i, turn in enumerate(trajectory.turns):  # the replies as written, the observations the env sent, whole
         assert response[turn.start : turn.start + turn.num_generated] == sampled[i]

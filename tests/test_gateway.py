@@ -20,6 +20,7 @@ from PIL import Image
 
 from engine.encoding import ChatEncoder
 from engine.errors import BackendError, ErrorClass
+from engine.families import family_named
 from engine.scheduler.retry import RetryPolicy
 from engine.trajectory import Status, StopReason
 from tests.agents.program import TOOLS
@@ -375,7 +376,8 @@ async def test_images_reach_the_model_and_the_trainer(processor):
     result) go to the backend as image_data and to the trainer's inputs, merged once."""
     from engine.multimodal import image_payload
 
-    vision = ChatEncoder(processor.tokenizer, processor=processor)
+    # Qwen2.5-VL's template writes no tool calls: its family is named, as `--model-family qwen25` does
+    vision = ChatEncoder(processor.tokenizer, processor=processor, family=family_named("qwen25"))
     red, blue = (image_payload(Image.new("RGB", (56, 56), color)) for color in ((200, 30, 30), (30, 30, 200)))
     turns = [sampled(vision, CALL), sampled(vision, "Both are squares.")]
     gateway, backend = gateway_over(vision, list(turns))

@@ -56,7 +56,11 @@ LAYERS: list[tuple[str, tuple[str, ...], str]] = [
         ),
         "what one turn does; the scheduler's parts (versions, slots, budgets, signals)",
     ),
-    ("encoding", ("engine.encoding", "engine.families"), "delta tokens; model families"),
+    (
+        "encoding",
+        ("engine.encoding", "engine.families", "engine.probe"),
+        "delta tokens; model families; a family's call syntax read off its template",
+    ),
     ("backends and the env contract", ("engine.backends.*", "engine.envs.*"), "SGLang, the local model; env runners"),
     ("the trajectory", ("engine.trajectory",), "one sample, one writer of its status"),
     ("parsers and images", ("engine.parsers.*", "engine.multimodal"), "model output read per family; images"),

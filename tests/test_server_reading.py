@@ -208,7 +208,7 @@ async def test_the_env_parses_what_the_server_read_and_a_replay_reads_each_turn_
     assert trajectory.turns[0].retries == 1  # the reading's retry, charged to the turn
     # turn 2's step failed and was replayed on a fresh reset: turn 1 again, read as it was the first time
     assert env.calls == [("get_weather", f"city {n}") for n in (3, 4, 3, 4, 5, 6)]
-    assert all(isinstance(p, ReadTurn) and p.name == "minimax-m2" and p.fallback == "qwen25" for p in env.parsers)
+    assert all(isinstance(p, ReadTurn) and p.name == "minimax-m2" and p.fallback.name == "qwen25" for p in env.parsers)
     assert [turn.reading.reasoning for turn in trajectory.turns] == ["thought"] * 4
     assert "reading" not in trajectory.turns[0].to_record()
 

@@ -68,7 +68,7 @@ class StreamSplitter:
     def __init__(self, encoder: Any, *, stop: tuple[str, ...] = ()):
         from engine.parsers import get_parser
 
-        parser = encoder.family.parser if encoder.family is not None else get_parser("qwen25")
+        parser = encoder.parser or get_parser("qwen25")
         self._parser = parser if isinstance(parser, ThinkingParser) else None
         self._opener = getattr(parser, "call_opener", "")
         self._in_reasoning = encoder.opens_reasoning

@@ -46,8 +46,7 @@ from engine.envs.base import EnvRunner, StepResult
 from engine.envs.deadlines import Deadlines
 from engine.envs.loader import EnvFactory
 from engine.errors import EnvError, ErrorClass, user_traceback
-from engine.parsers import current_parser, reasoning_open, use_parser
-from engine.parsers.read import ReadTurn
+from engine.parsers import PARSERS, OutputParser, current_parser, reasoning_open, use_parser
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +98,7 @@ class EnvWorker:
         key: str,
         response_text: str,
         step_timeout: float | None,
-        parser: str | ReadTurn = "qwen25",
+        parser: str | OutputParser = "qwen25",
         in_reasoning: bool = False,
     ) -> Reply:
         """The step's (observation, done, info) and, unless done, its chat message or the format error; the
@@ -332,9 +331,9 @@ class RemoteEnvRunner:
         return observation if isinstance(observation, dict) else {}
 
     async def step(self, response_text: str) -> StepResult:
-        parser = current_parser()  # by name, or as it is where the server read the turn (it is this turn's)
+        parser = current_parser()  # by name where it is a registered one; else as it is (a turn's reading, a probe's)
         observation, done, info, self._message, self._format_error = await self._call(
-            "step", response_text, self.step_timeout, parser if isinstance(parser, ReadTurn) else parser.name,
+            "step", response_text, self.step_timeout, parser.name if PARSERS.get(parser.name) is parser else parser,
             reasoning_open(),
         )  # fmt: skip
         self._observation = observation

@@ -11,19 +11,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from engine.parsers.base import ParsedTurn
+from engine.parsers.base import OutputParser, ParsedTurn
 
 
 @dataclass(frozen=True, slots=True)
 class ReadTurn:
     """The reading `turn` of the model's turn `text`, by the parser SGLang calls `name`. Other text (an env
-    parsing something it made itself) goes to `fallback`, the engine's own parser of the family, where it has one;
+    parsing something it made itself) goes to `fallback`, the engine's own parser of the model, where it has one;
     without one it is a ValueError. `format_call` writes a call as `fallback` does, or not at all ("")."""
 
     name: str
     text: str
     turn: ParsedTurn
-    fallback: str | None = None
+    fallback: OutputParser | None = None
 
     @property
     def delimiters(self) -> tuple[str, ...]:
@@ -36,13 +36,7 @@ class ReadTurn:
             raise ValueError(
                 f"SGLang's {self.name} parser read this turn's text only; other text has no parser in the engine"
             )
-        from engine.parsers import get_parser
-
-        return get_parser(self.fallback).parse(text, tools=tools, in_reasoning=in_reasoning)
+        return self.fallback.parse(text, tools=tools, in_reasoning=in_reasoning)
 
     def format_call(self, name: str, arguments: dict[str, Any], *, index: int = 0) -> str:
-        if self.fallback is None:
-            return ""
-        from engine.parsers import get_parser
-
-        return get_parser(self.fallback).format_call(name, arguments, index=index)
+        return "" if self.fallback is None else self.fallback.format_call(name, arguments, index=index)
