@@ -5,9 +5,10 @@ family writes them, harmony's channels). The verdicts below are read off each te
 cannot take a tool message at all (gemma-3) is named as such, and an env that declares tool observations
 with it is refused at start.
 
-A template of a family the engine does not know yet (SGLang's minimax-m2, minimax-m3, ling3, minicpm5: issue 37)
-gets the default rules: plain-text replies ended by the template's end-of-turn token. Its verdict is what the
-engine reports for it today, written down so that a change either way shows here."""
+A template of a family the engine has no parser for (SGLang's minimax-m2, minimax-m3, ling3, minicpm5) gets the
+parser read off its template (engine/probe.py), and replies in that shape; where none is found (MiniMax-M3),
+plain-text replies ended by the template's end-of-turn token. Its verdict is written down so that a change either
+way shows here."""
 
 from __future__ import annotations
 

@@ -5,8 +5,9 @@ issue 37 is to close these gaps). Written down as asserted outcomes, so that a c
   model's turn carry the observation's content, or the encoder raises and names why (the trajectory ends FAILED
   with that cause). None is ever lost in silence: a template that leaves a message out of what it writes (the
   first system message only, as DeepSeek's, gpt-oss's and MiniMax's write) is `DROPPED`, the encoder's own error.
-- a five-turn tool trajectory on the templates of families the engine does not know (SGLang's minimax-m2,
-  minimax-m3, ling3, minicpm5): the model writes its calls in its own syntax, which no parser of the engine reads.
+- a five-turn tool trajectory on the templates of families the engine has no parser for (SGLang's minimax-m2,
+  minimax-m3, ling3, minicpm5): the model writes its calls in its own syntax, which the engine reads off the
+  template where it can (engine/probe.py), and a tool env is refused at start, naming why, where it cannot.
 """
 
 from __future__ import annotations
