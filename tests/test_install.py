@@ -9,6 +9,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO
 
 IMPORTS = "import bridge.slime, engine.engine, engine.backends.sglang, engine.cli; engine.cli.build_parser()"
@@ -66,3 +68,13 @@ print(json.dumps(errors))
     for error in (gateway, agent_command):
         assert error.startswith("turnstile: error:") and "pip install 'turnstile[agents]'" in error, error
     assert "`turnstile gateway`" in gateway and "agent_command" in agent_command
+
+
+def test_the_repository_tracks_sources_only():
+    """No virtual environment (a `.venv` link included), no wheel, no file over 1 MiB is in the tree a user clones."""
+    done = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    if done.returncode != 0:
+        pytest.skip(f"not a git checkout: {done.stderr.strip()}")
+    tracked = [path for path in done.stdout.split("\0") if path]
+    assert not [p for p in tracked if p.split("/")[0] in (".venv", "venv") or p.endswith((".whl", ".pyc"))]
+    assert not [p for p in tracked if (REPO / p).is_file() and (REPO / p).stat().st_size > 1 << 20]
