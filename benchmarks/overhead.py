@@ -73,7 +73,7 @@ class FixedEncoder:
 
     stop_token_ids = (STOP,)
     vision_token_ids: frozenset[int] = frozenset()  # no VLM processor
-    family = None  # no model family: tool calls in the default (Qwen2.5) form
+    family = parser = None  # no model family, no parser: tool calls in the default (Qwen2.5) form
     opens_reasoning = False
 
     def encode_prompt(self, prompt, images=None) -> Encoded:

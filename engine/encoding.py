@@ -351,12 +351,14 @@ class ChatEncoder:
         return [end]
 
     def parse_turn(self, generated: list[int], *, tools: list[dict[str, Any]] | None = None) -> ParsedTurn:
-        """The model's turn read by its parser (`parser`): content, reasoning and tool calls; all content where no
-        parser reads this model's turns. Raises the parser's MalformedCall."""
+        """The model's turn read by its parser (`parser`; Qwen2.5's where none is found, for the session gateway's
+        replies: an env that reads tool calls is refused at start then): content, reasoning and tool calls. Raises
+        the parser's MalformedCall."""
+        from engine.parsers import get_parser
+
+        parser = self.parser or get_parser("qwen25")
         text = self.assistant_text(generated)
-        if self.parser is None:
-            return ParsedTurn(text)
-        return self.parser.parse(text, tools=tools or self.tools, in_reasoning=self.opens_reasoning)
+        return parser.parse(text, tools=tools or self.tools, in_reasoning=self.opens_reasoning)
 
     def assistant_message(self, generated: list[int]) -> dict[str, Any]:
         """The model's turn as a chat message a re-render takes, as an agent framework or a trainer would
