@@ -166,7 +166,7 @@ class RolloutService:
             envs = EnvFactory(s.env_path, args=self._env_args, step_timeout=s.retry.env_step_timeout_s)
             self.encoder.check_env(
                 s.env_path, envs.observation_roles, skip_special_tokens=s.skip_special_tokens,
-                read_by_server=s.server_parsers is not None and s.server_parsers[0] is not None,
+                read_by_server=s.calls_read_by_server,
             )  # fmt: skip
             hosting = hosted(envs, env_workers=s.env_workers, capacity=s.env_worker_capacity, ray_address=s.ray_address)
             with closing(hosting) as self.env_factory:  # env workers, when the envs run in them, end with the engine

@@ -417,9 +417,7 @@ class Settings(EngineConfig):
         if self.turn_parser == "sglang" and (self.backend_kind != "sglang" or not self.server_parsers):
             raise ValueError("turn_parser sglang: needs SGLang servers (url) and model_family or reasoning_parser")
         agents = {resolve_env_path(name) for name in ("python_agent", "agent_command")}
-        if (
-            self.env_path in agents and self.server_parsers
-        ):  # an agent's replies stream through the session gateway, read by the engine
+        if self.env_path in agents and self.server_parsers:  # an agent streams through the gateway: engine parsers
             raise ValueError(
                 f"env {self.env_path}: its agent's replies are read by the engine's own parsers, as they stream, and "
                 f"this run asks SGLang's ({' and '.join(n for n in self.server_parsers if n)}; turn_parser)"
@@ -446,6 +444,11 @@ class Settings(EngineConfig):
         if self.turn_parser == "sglang" or self.sglang_only_parsers:
             return names
         return None
+
+    @property
+    def calls_read_by_server(self) -> bool:
+        """Whether SGLang's tool-call parser reads the model's calls on the servers (`server_parsers`)."""
+        return self.server_parsers is not None and self.server_parsers[0] is not None
 
     def server_reader(self, backend: Any) -> ServerReader | None:
         """What reads the turns on `backend`'s servers (`server_parsers`), for `RolloutEngine(reader=...)`."""

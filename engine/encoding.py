@@ -288,7 +288,7 @@ class ChatEncoder:
                 family=self.family,
                 force_reasoning=self.force_reasoning,
             )
-        if "_probed" in self.__dict__ and self.family is None:  # the template's call syntax, read once
+        if self.family is None:  # the template's call syntax is read once, by this encoder, for every tool set
             encoder.__dict__["_probed"] = self._probed
         self._with_tools[key] = encoder  # the newest last
         while len(self._with_tools) > self.max_tool_sets:

@@ -17,7 +17,7 @@ from engine.parsers.base import MalformedCall
 from engine.parsers.probed import Layout, ProbedParser
 
 
-class ChatEncoder(Protocol):
+class Renderer(Protocol):
     """What the probe needs of an encoder (engine/encoding.py's ChatEncoder, which calls it)."""
 
     end_texts: tuple[str, ...]
@@ -35,15 +35,16 @@ REASONING, CONTENT = "rgolfthought", "chotelanswer"
 CONTEXT = ({"role": "user", "content": "Hello."},)
 
 
-def probe_layout(encoder: ChatEncoder) -> tuple[Layout | None, str | None]:
+def probe_layout(encoder: Renderer) -> tuple[Layout | None, str | None]:
     """The template's call layout, checked by parsing its own probes back; or None and why not."""
     try:
-        layout = _layout(encoder)
+        lead = _content_lead(encoder)
+        layout = _layout(encoder, lead)
     except ProbeFailed as failed:
         return None, str(failed)
     except Exception as exc:  # noqa: BLE001 -- a template that raises on a structured call writes none
         return None, f"the template raises on a structured tool call: {' '.join(str(exc).split())[:200]}"
-    problem = _reads_back(encoder, layout)
+    problem = _reads_back(encoder, layout, lead)
     return (layout, None) if problem is None else (None, problem)
 
 
@@ -51,7 +52,7 @@ class ProbeFailed(ValueError):
     pass
 
 
-def written(encoder: ChatEncoder, message: dict[str, Any]) -> str:
+def written(encoder: Renderer, message: dict[str, Any]) -> str:
     """What the template writes for `message` as the reply after a user's, up to its end token."""
     before = encoder.render(list(CONTEXT), add_generation_prompt=True)
     after = encoder.render([*CONTEXT, message], add_generation_prompt=False)
@@ -60,21 +61,26 @@ def written(encoder: ChatEncoder, message: dict[str, Any]) -> str:
     return text[: min(cuts)] if cuts else text
 
 
-def _calls(encoder: ChatEncoder, *calls: tuple[str, dict[str, Any]]) -> str:
+def _with_calls(encoder: Renderer, calls: list[tuple[str, dict[str, Any]]], content: str = "") -> str:
+    """What the template writes for a reply of `content` that makes `calls` (name, arguments), in OpenAI's form."""
     structured = [encoder.tool_call(f"call{i:05d}", name, args) for i, (name, args) in enumerate(calls)]
-    text = written(encoder, {"role": "assistant", "content": "", "tool_calls": structured})
+    return written(encoder, {"role": "assistant", "content": content, "tool_calls": structured})
+
+
+def _calls(encoder: Renderer, *calls: tuple[str, dict[str, Any]]) -> str:
+    text = _with_calls(encoder, list(calls))
     if NAMES[0] not in text:
         raise ProbeFailed("the template writes no structured tool calls")
     return text
 
 
-def _layout(encoder: ChatEncoder) -> Layout:
+def _layout(encoder: Renderer, lead: str) -> Layout:
     (n1, n2), (k1, k2), (v1, v2) = NAMES, KEYS, VALUES
     one = _calls(encoder, (n1, {k1: v1}))
     two_args = _calls(encoder, (n1, {k1: v1, k2: v2}))
     two_calls = _calls(encoder, (n1, {k1: v1}), (n2, {k1: v1}))
     reasoning = _reasoning(encoder)
-    prefix = _without_content_prefix(encoder, one[: one.index(n1)])
+    prefix = _without_lead(one[: one.index(n1)], lead)
     if (json_layout := _json_layout(one, two_calls, prefix, reasoning)) is not None:
         return json_layout
     at_n, at_k = one.index(n1), one.find(k1)
@@ -101,13 +107,13 @@ def _layout(encoder: ChatEncoder) -> Layout:
 def _json_layout(one: str, two_calls: str, prefix: str, reasoning: dict[str, str]) -> Layout | None:
     """A layout whose arguments are one JSON object after the name (Hermes' `{"name": ..., "arguments": {...}}`)."""
     k1, v1 = KEYS[0], VALUES[0]
-    for written in (json.dumps({k1: v1}), json.dumps({k1: v1}, separators=(",", ":"))):
-        if written in one and written in two_calls and one.index(NAMES[0]) < one.index(written):
-            at = one.index(written)
+    for dumped in (json.dumps({k1: v1}), json.dumps({k1: v1}, separators=(",", ":"))):
+        if dumped in one and dumped in two_calls and one.index(NAMES[0]) < one.index(dumped):
+            at = one.index(dumped)
             name_close = one[one.index(NAMES[0]) + len(NAMES[0]) : at]
-            end = two_calls.index(written) + len(written)
+            end = two_calls.index(dumped) + len(dumped)
             between_calls = two_calls[end : two_calls.index(NAMES[1], end)]
-            around = _around_calls(prefix, between_calls, one[at + len(written) :])
+            around = _around_calls(prefix, between_calls, one[at + len(dumped) :])
             return Layout(
                 **around, **reasoning, name_close=name_close, arg_open="", arg_sep="", arg_close="",
                 json_arguments=True,
@@ -128,7 +134,7 @@ def _around_calls(prefix: str, between_calls: str, after: str) -> dict[str, str]
     }  # fmt: skip
 
 
-def _reasoning(encoder: ChatEncoder) -> dict[str, str]:
+def _reasoning(encoder: Renderer) -> dict[str, str]:
     """The reasoning block's markers, where the template writes a reply's reasoning before its content."""
     message = {"role": "assistant", "content": CONTENT, "reasoning_content": REASONING}
     text = written(encoder, message)
@@ -139,20 +145,23 @@ def _reasoning(encoder: ChatEncoder) -> dict[str, str]:
     return {"reasoning_open": opener, "reasoning_close": closer}
 
 
-def _without_content_prefix(encoder: ChatEncoder, prefix: str) -> str:
-    """What the template writes before any reply's content (an empty reasoning block, `</think>`) taken off the
-    text before a call."""
+def _content_lead(encoder: Renderer) -> str:
+    """What the template writes before any reply's content (an empty reasoning block, `</think>`), stripped."""
     plain = written(encoder, {"role": "assistant", "content": CONTENT})
-    lead = plain[: plain.index(CONTENT)].strip() if CONTENT in plain else ""
-    stripped = prefix.lstrip()
-    return stripped[len(lead) :] if lead and stripped.startswith(lead) else prefix
+    return plain[: plain.index(CONTENT)].strip() if CONTENT in plain else ""
+
+
+def _without_lead(text: str, lead: str) -> str:
+    """`text` without the `lead` the template writes before any reply (`_content_lead`)."""
+    stripped = text.lstrip()
+    return stripped[len(lead) :] if lead and stripped.startswith(lead) else text
 
 
 def _common_suffix(a: str, b: str) -> str:
     return os.path.commonprefix([a[::-1], b[::-1]])[::-1]
 
 
-def _reads_back(encoder: ChatEncoder, layout: Layout) -> str | None:
+def _reads_back(encoder: Renderer, layout: Layout, lead: str) -> str | None:
     """None when the layout reads the template's own probes back (names, arguments, the content before); else why
     not."""
     parser = ProbedParser(layout)
@@ -164,10 +173,9 @@ def _reads_back(encoder: ChatEncoder, layout: Layout) -> str | None:
         ([(n2, {k1: v1})], CONTENT),
     ]
     for calls, content in cases:
-        structured = [encoder.tool_call(f"call{i:05d}", name, args) for i, (name, args) in enumerate(calls)]
-        text = written(encoder, {"role": "assistant", "content": content, "tool_calls": structured})
+        text = _with_calls(encoder, calls, content)
         try:
-            read = parser.parse(_without_content_prefix(encoder, text))
+            read = parser.parse(_without_lead(text, lead))
         except MalformedCall as exc:
             return f"the layout found does not read the template's own call back: {exc.detail}"
         if [(c.name, c.arguments) for c in read.tool_calls] != calls or read.content != content:

@@ -65,7 +65,7 @@ class Run:
         encoder = load_encoder(config)
         encoder.check_env(
             config.env_path, make_env.observation_roles, skip_special_tokens=config.skip_special_tokens,
-            read_by_server=config.server_parsers is not None and config.server_parsers[0] is not None,
+            read_by_server=config.calls_read_by_server,
         )  # fmt: skip
         model = load_local_model(config)
         make_env = hosted(

@@ -298,7 +298,11 @@ def _how_reply_changed(encoder: ChatEncoder, report: DriftReport) -> str:
 
 def _same_text(expected: str, actual: str) -> bool:
     """The two contexts are one text (as far as the shorter one goes), tokenized differently."""
-    return expected != actual and (expected.startswith(actual) or actual.startswith(expected))
+    return expected != actual and _one_begins_the_other(expected, actual)
+
+
+def _one_begins_the_other(a: str, b: str) -> bool:
+    return a.startswith(b) or b.startswith(a)
 
 
 def _where_merged(trajectory: Trajectory, report: DriftReport) -> str:
@@ -319,8 +323,7 @@ def _where_merged(trajectory: Trajectory, report: DriftReport) -> str:
 
 def _whitespace_only(expected: str, actual: str) -> bool:
     """The two contexts differ, but not once whitespace is dropped (as far as the shorter one goes)."""
-    a, b = re.sub(r"\s+", "", expected), re.sub(r"\s+", "", actual)
-    return expected != actual and (a.startswith(b) or b.startswith(a))
+    return expected != actual and _one_begins_the_other(re.sub(r"\s+", "", expected), re.sub(r"\s+", "", actual))
 
 
 def _generation_prompt(encoder: ChatEncoder) -> str:

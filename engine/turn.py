@@ -207,22 +207,20 @@ class ServerReader:
         text = encoder.assistant_text(generated)
         if encoder.opens_reasoning and not text.lstrip().startswith("<think>"):
             text = "<think>" + text
-        return await self.backend.read_turn(
-            text,
-            tools=list(encoder.tools or ()),
-            tool_call_parser=self.tool_call_parser,
-            reasoning_parser=self.reasoning_parser,
-        )
+        return await self._ask(text, list(encoder.tools or ()))
 
     async def check(self) -> None:
         """One reading at start, so a server without these parsers (an older SGLang) is one error then."""
         try:
-            await self.backend.read_turn(
-                "", tools=[], tool_call_parser=self.tool_call_parser, reasoning_parser=self.reasoning_parser
-            )
+            await self._ask("", [])
         except BackendError as exc:
             named = " and ".join(f"{kind} {name!r}" for kind, name in self._named)
             raise exc.noted(f"SGLang cannot read turns with {named} (turn_parser)") from exc
+
+    async def _ask(self, text: str, tools: list[dict[str, Any]]) -> ParsedTurn:
+        return await self.backend.read_turn(
+            text, tools=tools, tool_call_parser=self.tool_call_parser, reasoning_parser=self.reasoning_parser
+        )
 
     @property
     def _named(self) -> list[tuple[str, str]]:

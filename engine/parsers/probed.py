@@ -46,8 +46,7 @@ class Layout:
 
 def _loose(marker: str) -> re.Pattern[str]:
     """`marker` matched at a position, with leading whitespace skipped and each whitespace run in it optional."""
-    parts = [re.escape(part) for part in marker.split()]
-    return re.compile(r"\s*" + r"\s*".join(parts))
+    return re.compile(r"\s*" + _unanchored(marker).pattern)
 
 
 PYTHON_LITERALS = {"True": "true", "False": "false", "None": "null"}  # a template that writes `{{ value }}`
