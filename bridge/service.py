@@ -187,7 +187,7 @@ class RolloutService:
             backend=self.backend, encoder=self.encoder, env_factory=self.env_factory, source=source, config=config,
             reward_fn=reward, group_reward_fn=scoring.group_reward if scoring.group else None,
             group_filter=scoring.verdict if scoring.has_filter else None, observers=[self.recorder],
-            reader=self.settings.server_reader(self.backend),
+            reader=self.settings.server_reader(self.backend, self.encoder.tokenizer),
         )  # fmt: skip
         return engine
 

@@ -43,6 +43,7 @@ from pydantic import (
 from pydantic.fields import FieldInfo
 
 from engine.backends.base import SamplingParams
+from engine.backends.sglang_read import InProcessParsers
 from engine.envs.builtin import resolve_env_path
 from engine.families import NAMES, REASONING_PARSERS, family_name, has_family, reasoning_parser_name
 from engine.scheduler.queue import Policy
@@ -332,11 +333,11 @@ class Settings(EngineConfig):
     (its opening `<think>` is the prompt's), as SGLang reads them; unset: as the generation prompt says. One the
     engine does not read (nemotron_3, minimax-append-think, ...) is read by SGLang on its servers."""
     turn_parser: Annotated[Literal["auto", "sglang", "engine"], FLAG] = "auto"
-    """Who reads a turn's content, reasoning and tool calls for the env. sglang: the SGLang servers, with
-    model_family and reasoning_parser as their parser names (POST /parse_function_call, /separate_reasoning),
-    exactly as SGLang reads them (a malformed call is text there, not a named error); engine: the engine's own
-    parsers; auto: SGLang where the backend is SGLang and a parser named is one the engine does not have, else
-    the engine."""
+    """Who reads a turn's content, reasoning and tool calls for the env. sglang: SGLang's own parsers, with
+    model_family and reasoning_parser as their names, exactly as SGLang reads them (a malformed call is text
+    there, not a named error): in this process where sglang is importable here (as in slime's image), else on
+    the servers (POST /separate_reasoning, /parse_function_call); engine: the engine's own parsers; auto: SGLang's
+    where the backend is SGLang and a parser named is one the engine does not have, else the engine's."""
 
     # -- backend --------------------------------------------------------------------------------------
     backend: Annotated[
@@ -450,10 +451,14 @@ class Settings(EngineConfig):
         """Whether SGLang's tool-call parser reads the model's calls on the servers (`server_parsers`)."""
         return self.server_parsers is not None and self.server_parsers[0] is not None
 
-    def server_reader(self, backend: Any) -> ServerReader | None:
-        """What reads the turns on `backend`'s servers (`server_parsers`), for `RolloutEngine(reader=...)`."""
+    def server_reader(self, backend: Any, tokenizer: Any = None) -> ServerReader | None:
+        """What reads the turns with SGLang's parsers (`server_parsers`), for `RolloutEngine(reader=...)`: SGLang's
+        parser classes in this process where `sglang` is importable here (given the served model's `tokenizer`),
+        else `backend`'s servers."""
         names = self.server_parsers
-        return None if names is None else ServerReader(backend, *names)
+        if names is None:
+            return None
+        return ServerReader(backend, *names, in_process=InProcessParsers.here(tokenizer, names))
 
     @model_validator(mode="after")
     def _backend_and_url(self) -> Self:

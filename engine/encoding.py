@@ -178,6 +178,17 @@ class ChatEncoder:
         return self._probed[1]
 
     @functools.cached_property
+    def reader(self) -> OutputParser:
+        """What reads this model's turns: `parser`, else one that splits off the reasoning by the template's own
+        markers and refuses, naming `parser_problem`, to read or write a tool call (never another family's)."""
+        if self.parser is not None:
+            return self.parser
+        from engine.parsers.probed import NoCallsParser
+        from engine.probe import reasoning_markers
+
+        return NoCallsParser(self.parser_problem or "no family and no call syntax found", **reasoning_markers(self))
+
+    @functools.cached_property
     def _probed(self) -> tuple[OutputParser | None, str | None]:
         if self.family is not None:
             return self.family.parser, None
@@ -351,14 +362,10 @@ class ChatEncoder:
         return [end]
 
     def parse_turn(self, generated: list[int], *, tools: list[dict[str, Any]] | None = None) -> ParsedTurn:
-        """The model's turn read by its parser (`parser`; Qwen2.5's where none is found, for the session gateway's
-        replies: an env that reads tool calls is refused at start then): content, reasoning and tool calls. Raises
-        the parser's MalformedCall."""
-        from engine.parsers import get_parser
-
-        parser = self.parser or get_parser("qwen25")
+        """The model's turn read by its parser (`reader`): content, reasoning and tool calls. Raises the parser's
+        MalformedCall, and NoCallSyntax where tools are offered and no parser knows this model's calls."""
         text = self.assistant_text(generated)
-        return parser.parse(text, tools=tools or self.tools, in_reasoning=self.opens_reasoning)
+        return self.reader.parse(text, tools=tools or self.tools, in_reasoning=self.opens_reasoning)
 
     def assistant_message(self, generated: list[int]) -> dict[str, Any]:
         """The model's turn as a chat message a re-render takes, as an agent framework or a trainer would

@@ -145,6 +145,15 @@ def _reasoning(encoder: Renderer) -> dict[str, str]:
     return {"reasoning_open": opener, "reasoning_close": closer}
 
 
+def reasoning_markers(encoder: Renderer) -> dict[str, str]:
+    """The reasoning block's markers (`reasoning_open`, `reasoning_close`), "" where the template writes none or
+    fails on a reasoned reply."""
+    try:
+        return _reasoning(encoder)
+    except Exception:  # noqa: BLE001 -- a template that raises on a reasoned reply writes no reasoning to read
+        return {"reasoning_open": "", "reasoning_close": ""}
+
+
 def _content_lead(encoder: Renderer) -> str:
     """What the template writes before any reply's content (an empty reasoning block, `</think>`), stripped."""
     plain = written(encoder, {"role": "assistant", "content": CONTENT})

@@ -118,7 +118,7 @@ class Run:
                 source=self.rows,
                 config=self.config.engine_config(self.encoder.stop_token_ids),
                 observers=observers,
-                reader=self.config.server_reader(backend),
+                reader=self.config.server_reader(backend, self.encoder.tokenizer),
             )
             ran.append(engine)
             async with engine, anyio.create_task_group() as view:

@@ -26,7 +26,7 @@ from engine.backends.base import Backend, GenerateResult, SamplingParams, TokenL
 from engine.encoding import ChatEncoder
 from engine.envs.base import EnvRunner, StepResult
 from engine.errors import BackendError, ObservationError, PromptError, ResponseError, TurnError
-from engine.parsers import OutputParser, ParsedTurn, get_parser, use_parser
+from engine.parsers import OutputParser, ParsedTurn, use_parser
 from engine.parsers.read import ReadTurn
 from engine.trajectory import STOP_OF_STAGE, StopReason, Trajectory, Turn
 
@@ -189,17 +189,24 @@ def stop_after_generation(trajectory: Trajectory, result: GenerateResult, limits
 
 @dataclass(frozen=True, slots=True)
 class ServerReader:
-    """Turns read by SGLang's own parsers on its servers (the `turn_parser` setting), by the names slime passes
-    SGLang as `--tool-call-parser` and `--reasoning-parser`: `backend.read_turn` (engine/backends/sglang_read.py).
+    """Turns read by SGLang's own parsers (the `turn_parser` setting), by the names slime passes SGLang as
+    `--tool-call-parser` and `--reasoning-parser`: in this process where `sglang` is importable here, as in slime's
+    image, else on its servers, `backend.read_turn` (both in engine/backends/sglang_read.py).
     Step 3b, between generating and stepping the env; the reading is kept on the turn (`Turn.reading`)."""
 
     backend: Any  # an SGLangBackend or a BackendPool of them
     tool_call_parser: str | None
     reasoning_parser: str | None
+    in_process: Any = None  # SGLang's parsers in this process (InProcessParsers), where sglang is importable here
 
     @property
     def name(self) -> str:
         return self.tool_call_parser or self.reasoning_parser or "sglang"
+
+    @property
+    def where(self) -> str:
+        """Where the parsers run: in this process, or on the servers."""
+        return "in this process" if self.in_process is not None else "on the servers"
 
     async def read(self, generated: list[int], encoder: ChatEncoder) -> ParsedTurn:
         """The turn's tokens as SGLang's chat completions would read them: decoded with special tokens, its
@@ -211,14 +218,16 @@ class ServerReader:
 
     async def check(self) -> None:
         """One reading at start, so a server without these parsers (an older SGLang) is one error then."""
+        named = " and ".join(f"{kind} {name!r}" for kind, name in self._named)
         try:
             await self._ask("", [])
         except BackendError as exc:
-            named = " and ".join(f"{kind} {name!r}" for kind, name in self._named)
-            raise exc.noted(f"SGLang cannot read turns with {named} (turn_parser)") from exc
+            raise exc.noted(f"SGLang cannot read turns with {named} {self.where} (turn_parser)") from exc
+        log.info("turns read by SGLang's %s %s", named, self.where)
 
     async def _ask(self, text: str, tools: list[dict[str, Any]]) -> ParsedTurn:
-        return await self.backend.read_turn(
+        reader = self.in_process if self.in_process is not None else self.backend
+        return await reader.read_turn(
             text, tools=tools, tool_call_parser=self.tool_call_parser, reasoning_parser=self.reasoning_parser
         )
 
@@ -229,12 +238,12 @@ class ServerReader:
 
 
 def turn_parser(turn: Turn, text: str, encoder: ChatEncoder, reader: ServerReader | None) -> OutputParser:
-    """Who reads the turn `text` for the env: SGLang's reading where the server read it (ReadTurn), else the
-    encoder's parser (its family's, or one read off its template); Qwen2.5's only for an env that does not say it
-    reads tool calls, where neither is found."""
+    """Who reads the turn `text` for the env: SGLang's reading where SGLang's parsers read it (ReadTurn), else the
+    encoder's (its family's, one read off its template, or, where neither is found, one that names why when an
+    env asks it for calls; an env that declares tool observations is refused at start then)."""
     if turn.reading is not None:
         return ReadTurn(reader.name if reader is not None else "sglang", text, turn.reading, encoder.parser)
-    return encoder.parser or get_parser("qwen25")  # no parser: an env that declares tool observations is refused
+    return encoder.reader
 
 
 async def step_env(

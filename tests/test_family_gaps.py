@@ -123,8 +123,8 @@ UNKNOWN_FAMILIES: dict[str, tuple[Status, StopReason, int, bool, bool]] = {
     "MiniMaxAI-MiniMax-M2.7": (Status.COMPLETED, StopReason.ENV_DONE, 5, False, True),
     # `]<]minimax[>[<invoke ...>]<]minimax[>[<answer>40]<]minimax[>[</answer>`: each argument closes with a tag
     # named after it, which no probed layout reads; the start check refuses a tool env, naming why. Run anyway,
-    # the Qwen2.5 parser (the fallback of an env that says nothing) finds `<tool_call>`, reads no JSON after it and
-    # raises MalformedToolCall, so the env errs at the first call.
+    # the env's first parse_tool_calls gets the same reason as an error (no other family's syntax is tried), so
+    # the env errs at the first call.
     "MiniMaxAI-MiniMax-M3": (Status.FAILED, StopReason.ENV_ERROR, 1, True, False),
     # `<tool_call>calc_score\n<arg_key>answer</arg_key>\n<arg_value>40</arg_value>\n</tool_call>`: read off it.
     "inclusionAI-Ling-3.0-flash": (Status.COMPLETED, StopReason.ENV_DONE, 5, False, True),
@@ -186,6 +186,9 @@ async def test_a_five_turn_tool_trajectory_of_a_family_the_engine_does_not_know(
         assert env.calls == made
     else:
         assert env.calls == [None] * len(env.calls)  # no call of the model's was read
+    if refuses_tools:  # run anyway: the env's first parse_tool_calls is the start check's reason, as an error
+        assert "this model's tool calls cannot be read" in trajectory.errors[-1].message
+        assert encoder.parser_problem in trajectory.errors[-1].message
     response = list(trajectory.response_ids)
     for i, turn in enumerate(trajectory.turns):  # the replies as written, the observations the env sent, whole
         assert response[turn.start : turn.start + turn.num_generated] == sampled[i]

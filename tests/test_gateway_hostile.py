@@ -23,6 +23,7 @@ from engine.models import load_tokenizer
 from engine.trajectory import Status
 from tests.agents.program import TOOLS
 from tests.fakes import DeterministicBackend, ScriptedBackend
+from tests.family_fixtures import family_tokenizer
 from tests.gateway_kit import (  # noqa: F401 -- closes_clients: a fixture
     CALL,
     PROMPT,
@@ -602,3 +603,22 @@ async def test_a_refusal_before_the_body_is_read_reaches_a_client_that_closes(en
         await still_serves(gateway, encoder)
     assert [reply.status_code for reply in replies] == [401] * 5
     assert all(reply.json()["error"]["code"] == "invalid_api_key" for reply in replies)
+
+
+@pytest.mark.anyio
+async def test_tools_offered_to_a_model_whose_calls_cannot_be_read_are_refused_naming_why():
+    """No family and no call syntax in the template (gemma-3 writes no calls): a request offering tools is the
+    client's 400 naming what is missing, never read as another family's syntax; one without tools is served."""
+    gemma = ChatEncoder(family_tokenizer("google-gemma-3-4b-it"))
+    assert gemma.parser is None
+    gateway, _ = gateway_over(gemma, [sampled(gemma, "Sunny.")])
+    async with gateway.serving():
+        session = gateway.open_session()
+        with pytest.raises(openai.BadRequestError, match="the template writes no structured tool calls") as raised:
+            await client(gateway, session).chat.completions.create(
+                model="policy", messages=PROMPT, tools=[tool("get_weather", {"type": "object"})]
+            )
+        assert "--model-family" in str(raised.value)
+        reply = await client(gateway, session).chat.completions.create(model="policy", messages=PROMPT)
+        assert reply.choices[0].message.content == "Sunny."
+        await gateway.finish(session.id)

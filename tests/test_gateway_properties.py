@@ -39,6 +39,7 @@ from PIL import Image
 from pydantic import TypeAdapter
 
 from engine.encoding import ChatEncoder
+from engine.families import family_named
 from tests.agents.program import TOOLS
 from tests.fakes import ScriptedBackend
 from tests.gateway_kit import CALL, PROMPT, gateway_over, sampled
@@ -49,7 +50,9 @@ PATHS = {"chat": "v1/chat/completions", "responses": "v1/responses", "messages":
 
 @pytest.fixture(scope="module")
 def vision(processor):
-    return ChatEncoder(processor.tokenizer, processor=processor)
+    # Qwen2.5-VL's template writes no tool calls: its family is named, as `--model-family qwen25` does (and as
+    # the embedded default's settings do)
+    return ChatEncoder(processor.tokenizer, processor=processor, family=family_named("qwen25"))
 
 
 def picture(width: int = 8, height: int = 8, kind: str = "PNG", *, noise: bool = False) -> str:

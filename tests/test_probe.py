@@ -13,9 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.encoding import ChatEncoder
-from engine.parsers import MalformedCall
-from engine.parsers.probed import ProbedParser
-from engine.probe import probe_layout, written
+from engine.parsers import MalformedCall, ParsedTurn
+from engine.parsers.probed import NoCallSyntax, ProbedParser
+from engine.probe import probe_layout, reasoning_markers, written
 from tests.family_fixtures import NAMES, family_tokenizer
 from tests.parser_outputs import DOCUMENTED, TOOLS
 
@@ -127,3 +127,20 @@ def test_a_malformed_call_is_named_and_a_probed_parser_travels_whole():
         parser.parse('<function name="calc"><param name="answer">42</param>')
     assert raised.value.kind == "unexpected_text" and "the call's end" in raised.value.detail
     assert pickle.loads(pickle.dumps(parser)) == parser  # to Ray env workers, by value
+
+
+@pytest.mark.parametrize("name", sorted(name for name, why in UNKNOWN.items() if why is not None))
+def test_where_no_call_syntax_is_found_turns_are_read_by_the_template_alone_and_calls_refused_by_name(name):
+    """No other family's syntax is tried: a Qwen-style call is text, and asking for calls names why none is read."""
+    reader = probed(name).reader
+    qwen_call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    with pytest.raises(NoCallSyntax, match=UNKNOWN[name]):
+        reader.parse(qwen_call, tools=TOOLS)
+    with pytest.raises(NoCallSyntax, match="name its family with model_family"):
+        reader.format_call("get_weather", {"city": "Paris"})
+    assert reader.parse(qwen_call) == ParsedTurn(qwen_call)
+    markers = reasoning_markers(probed(name))
+    if markers["reasoning_close"]:  # the reasoning by the template's own markers
+        text = f"{markers['reasoning_open']}weigh it{markers['reasoning_close']}Sunny."
+        assert reader.parse(text) == ParsedTurn("Sunny.", "weigh it")
+    assert pickle.loads(pickle.dumps(reader)) == reader  # to Ray env workers, by value

@@ -6,6 +6,7 @@ runs the same against real servers."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import httpx2
@@ -254,3 +255,24 @@ def test_agent_envs_and_the_gateway_refuse_turns_read_by_sglang(tokenizer):
     )
     with pytest.raises(ValueError, match="SGLang's 'kimi_k3'"):
         Gateway(engine.scheduler)
+
+
+@pytest.mark.anyio
+async def test_where_sglang_is_importable_here_its_parsers_read_in_process_and_the_servers_are_not_asked():
+    """The choice and the route; SGLang's real classes in process are the SGLang tier's (tests/test_sglang_read.py)."""
+    asked = []
+
+    class Here:
+        async def read_turn(self, text, **names):
+            asked.append((text, names["tool_call_parser"]))
+            return ParsedTurn(text, "")
+
+    class Servers:
+        async def read_turn(self, text, **names):
+            raise AssertionError("the servers were asked")
+
+    reader = ServerReader(Servers(), "gemma4", None, in_process=Here())
+    await reader.check()
+    assert asked == [("", "gemma4")] and reader.where == "in this process"
+    if importlib.util.find_spec("sglang") is None:  # this venv: the servers read
+        assert Settings(url=URL, model_family="gemma4").server_reader(Servers()).where == "on the servers"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -58,6 +59,7 @@ async def servers(sglang_workers):
         yield pool
 
 
+KINDS = (("tool_call_parser", SGLANG_TOOL_CALL_PARSERS), ("reasoning_parser", SGLANG_REASONING_PARSERS))
 # Names this server cannot read with, and why (each still fails, so the note goes when it no longer does).
 CANNOT_READ_HERE = {
     **dict.fromkeys(
@@ -76,7 +78,7 @@ CANNOT_READ_HERE = {
 async def test_every_parser_name_sglang_has_reads_a_turn_on_its_server(servers):
     text = "The weather is fine."
     failed = {}
-    for kind, names in (("tool_call_parser", SGLANG_TOOL_CALL_PARSERS), ("reasoning_parser", SGLANG_REASONING_PARSERS)):
+    for kind, names in KINDS:
         for name in names:
             Settings(url="http://127.0.0.1:1", **{"model_family" if kind == "tool_call_parser" else kind: name})
             parsers = {"tool_call_parser": None, "reasoning_parser": None, kind: name}
@@ -119,6 +121,71 @@ async def read(servers, text: str, names: dict) -> ParsedTurn:
         if exc.error_class is not ErrorClass.CONNECTION:
             raise
     return await servers.read_turn(text, tools=TOOLS, **names)
+
+
+IN_PROCESS = Path(__file__).parent / "sglang_cpu" / "read_in_process.py"
+# Read in this process where the servers cannot (SGLang's 500 is in its HTTP handler, not in the detectors)
+READ_ONLY_IN_PROCESS = ("beam", "glm47", "iquest_q1")
+ON_THE_SERVERS = ("deepseekv4", "deepseekv41", "deepseek-v4", "deepseek-v41")  # read with the served model's encoding
+
+
+def in_process(cases: list[dict], names: list[str]) -> dict:
+    """The engine's in-process reader (InProcessParsers) on `cases`, run by the SGLang venv's python."""
+    from tests.sglang_cpu.server import venv_python
+
+    env = {key: value for key, value in os.environ.items() if key != "VIRTUAL_ENV"}
+    env["PYTHONPATH"] = str(Path(__file__).parent.parent)
+    asked = json.dumps({"cases": cases, "names": names})
+    done = subprocess.run(
+        [str(venv_python()), str(IN_PROCESS)], input=asked, capture_output=True, text=True, env=env, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+async def test_sglangs_parsers_in_process_read_every_turn_as_its_servers_do(servers):
+    """Where `sglang` is importable (slime's image), SGLang's parser classes read the turns in the engine's process:
+    every name and every documented turn as the servers read them, and the three names SGLang's endpoint fails on
+    read too. The names read with the served model's own encoding stay on the servers."""
+    cases = [
+        {"text": "<think>Sunny.</think>The weather is fine.", "tools": TOOLS, "tool_call_parser": None,
+         "reasoning_parser": None, kind: name}
+        for kind, names in KINDS for name in names
+    ] + [
+        {"text": "<think>" + case.text if case.in_reasoning and not case.text.startswith("<think>") else case.text,
+         "tools": TOOLS, "tool_call_parser": case.family, "reasoning_parser": REASONING_PARSERS[case.family]}
+        for case in DOCUMENTED
+    ]  # fmt: skip
+    names = [*SGLANG_TOOL_CALL_PARSERS, *SGLANG_REASONING_PARSERS]
+    answer = in_process(cases, names)
+    assert {name for name, here in answer["here"].items() if not here} == set(ON_THE_SERVERS)
+    differ = []
+    for case, theirs in zip(cases, answer["readings"], strict=True):
+        named = {key: case[key] for key in ("tool_call_parser", "reasoning_parser")}
+        if case["tool_call_parser"] in READ_ONLY_IN_PROCESS:
+            assert "error_class" not in theirs, (named, theirs)
+            continue
+        if {case["tool_call_parser"], case["reasoning_parser"]} & set(ON_THE_SERVERS):
+            continue  # never read in process (above)
+        try:
+            turn = await read(servers, case["text"], named)
+        except BackendError as exc:
+            ours = {"failed": True}
+        else:
+            calls = [{"name": call.name, "arguments": call.arguments} for call in turn.tool_calls]
+            ours = {"reasoning": turn.reasoning, "content": turn.content, "calls": calls}
+        if "error_class" in theirs:  # response_template's missing template: CLIENT here, HTTP 500 there
+            theirs = {"failed": True}
+        if ours != theirs:
+            differ.append((named, case["text"][:60], ours, theirs))
+    assert differ == [], "\n".join(map(str, differ))
+    # glm47's documented turns, which the servers cannot read here, read in process as the engine reads them
+    glm47 = [
+        (case, theirs)
+        for case, theirs in zip(DOCUMENTED, answer["readings"][len(names) :], strict=True)
+        if case.family == "glm47"
+    ]
+    assert glm47 and all(stripped(theirs) == reading(case) for case, theirs in glm47)
 
 
 class NotingEnv(AsyncInteractionEnv):

@@ -42,6 +42,7 @@ from engine.agents.routes import GatewayHttp
 from engine.agents.session import Asked, Chain, Session, SessionEnv
 from engine.agents.streaming import StreamSplitter
 from engine.envs.base import EnvRunner
+from engine.families import NAMES
 from engine.gc_freeze import freeze_long_lived
 from engine.multimodal import BoundedCache
 from engine.parsers import MalformedCall, ParsedTurn
@@ -243,6 +244,12 @@ class Gateway:
             raise RequestError(f"session {session.id} is finished", status=409)
         if self._tasks is None:
             raise RequestError("the gateway is shutting down", status=503, kind="server_error")
+        if asked.tools and (encoder := self.scheduler.encoder).parser is None:  # a tool set's encoder shares its probe
+            raise RequestError(
+                f"tools are offered, and this model's tool calls cannot be read: {encoder.parser_problem}; start the "
+                f"gateway with --model-family naming its family (one of {', '.join(NAMES)})",
+                param="tools",
+            )
         if (call := unanswerable(asked.messages)) is not None:
             raise RequestError(
                 f"a tool result answers tool call {call!r}, which no assistant turn before it made", param="messages"

@@ -66,9 +66,7 @@ class StreamSplitter:
     """The sendable reasoning and content of a turn, as its tokens arrive (the module's docstring)."""
 
     def __init__(self, encoder: Any, *, stop: tuple[str, ...] = ()):
-        from engine.parsers import get_parser
-
-        parser = encoder.parser or get_parser("qwen25")
+        parser = encoder.reader
         self._parser = parser if isinstance(parser, ThinkingParser) else None
         self._opener = getattr(parser, "call_opener", "")
         self._in_reasoning = encoder.opens_reasoning

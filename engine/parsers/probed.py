@@ -62,6 +62,56 @@ def _unanchored(marker: str) -> re.Pattern[str]:
     return re.compile(r"\s*".join(re.escape(part) for part in marker.split()))
 
 
+def split_reasoning(text: str, in_reasoning: bool, opener: str, closer: str) -> tuple[str, str]:
+    """(reasoning, the rest) of a turn, by the template's reasoning markers ("" where it writes none)."""
+    opener, closer = opener.strip(), closer.strip()
+    if not closer:
+        return "", text
+    if opener and text.lstrip().startswith(opener):
+        text, in_reasoning = text.lstrip()[len(opener) :], True
+    if not in_reasoning:
+        return "", text
+    at = text.find(closer)
+    if at < 0:
+        return text.strip(), ""
+    return text[:at].strip(), text[at + len(closer) :]
+
+
+class NoCallSyntax(ValueError):
+    """Tool calls were asked of a model whose call syntax no parser knows."""
+
+
+@dataclass(frozen=True)
+class NoCallsParser:
+    """A model's turns where no parser knows how it writes a tool call (no family the engine has, and none read
+    off its template): its reasoning split off by the template's own markers, the rest its content. Asking it for
+    calls, or to write one, is one error naming why none can be read, never a guess at another family's syntax."""
+
+    problem: str  # why no call syntax was found (the probe's word)
+    reasoning_open: str = ""
+    reasoning_close: str = ""
+    name = "none"
+
+    @property
+    def delimiters(self) -> tuple[str, ...]:
+        return (self.reasoning_close.strip(),) if self.reasoning_close.strip() else ()
+
+    def parse(self, text: str, *, tools: list[dict] | None = None, in_reasoning: bool = False) -> ParsedTurn:
+        if tools:
+            raise self.refused()
+        reasoning, rest = split_reasoning(text, in_reasoning, self.reasoning_open, self.reasoning_close)
+        return ParsedTurn(rest.strip(), reasoning)
+
+    def format_call(self, name: str, arguments: dict[str, Any], *, index: int = 0) -> str:
+        raise self.refused()
+
+    def refused(self) -> NoCallSyntax:
+        return NoCallSyntax(
+            f"this model's tool calls cannot be read: {self.problem}; name its family with model_family (SGLang's "
+            "--tool-call-parser name), and SGLang reads the turns where the engine has no parser for it"
+        )
+
+
 class ProbedParser:
     """Reads and writes turns by a `Layout` found in the template (see the module docstring)."""
 
@@ -97,17 +147,7 @@ class ProbedParser:
         return ParsedTurn(rest[: found.start()].strip(), reasoning, self._calls(rest, found.start(), tools or []))
 
     def _split_reasoning(self, text: str, in_reasoning: bool) -> tuple[str, str]:
-        opener, closer = self.layout.reasoning_open.strip(), self.layout.reasoning_close.strip()
-        if not closer:
-            return "", text
-        if opener and text.lstrip().startswith(opener):
-            text, in_reasoning = text.lstrip()[len(opener) :], True
-        if not in_reasoning:
-            return "", text
-        at = text.find(closer)
-        if at < 0:
-            return text.strip(), ""
-        return text[:at].strip(), text[at + len(closer) :]
+        return split_reasoning(text, in_reasoning, self.layout.reasoning_open, self.layout.reasoning_close)
 
     def _calls(self, text: str, start: int, tools: list[dict]) -> tuple[ToolCallText, ...]:
         layout, at, calls = self.layout, start, []
