@@ -207,9 +207,24 @@ class ChatEncoder:
     @property
     def opens_reasoning(self) -> bool:
         """Whether the generation prompt opens a reasoning block the model continues (Qwen3-Thinking's and
-        DeepSeek-R1's `<think>\\n`): its turns start inside the reasoning."""
-        head, opened, tail = self.generation_prompt.rpartition("<think>")
-        return self.force_reasoning or (bool(opened) and "</think>" not in tail)
+        DeepSeek-R1's `<think>\\n`, MiniMax-M3's `<mm:think>` in its thinking mode): its turns start inside the
+        reasoning."""
+        opener, closer = self.reasoning_tags
+        head, opened, tail = self.generation_prompt.rpartition(opener)
+        return self.force_reasoning or (bool(opened) and closer not in tail)
+
+    @functools.cached_property
+    def reasoning_tags(self) -> tuple[str, str]:
+        """What opens and closes a reasoning block: `<think>` and `</think>` in the engine's families (harmony's
+        channels are its parser's), else as the template writes a reasoned reply (engine/probe.py), and `<think>`
+        where it writes none."""
+        if self.family is None:
+            from engine.probe import reasoning_markers
+
+            markers = reasoning_markers(self)
+            if markers["reasoning_open"] and markers["reasoning_close"]:
+                return markers["reasoning_open"], markers["reasoning_close"]
+        return "<think>", "</think>"
 
     @classmethod
     def for_settings(cls, tokenizer: Any, settings: Any, *, processor: Any = None) -> ChatEncoder:

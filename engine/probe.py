@@ -142,6 +142,10 @@ def _reasoning(encoder: Renderer) -> dict[str, str]:
         return {"reasoning_open": "", "reasoning_close": ""}
     opener = text[: text.index(REASONING)].strip()
     closer = text[text.index(REASONING) + len(REASONING) : text.index(CONTENT)].strip()
+    if not opener and closer.startswith("</"):  # the generation prompt opened the block: its opener is there
+        whole = encoder.render([*CONTEXT, message], add_generation_prompt=False)
+        if whole[: whole.index(REASONING)].rstrip().endswith(f"<{closer[2:]}"):
+            opener = f"<{closer[2:]}"
     return {"reasoning_open": opener, "reasoning_close": closer}
 
 

@@ -210,10 +210,11 @@ class ServerReader:
 
     async def read(self, generated: list[int], encoder: ChatEncoder) -> ParsedTurn:
         """The turn's tokens as SGLang's chat completions would read them: decoded with special tokens, its
-        end-of-turn token dropped, and the `<think>` the generation prompt opened put back in front."""
-        text = encoder.assistant_text(generated)
-        if encoder.opens_reasoning and not text.lstrip().startswith("<think>"):
-            text = "<think>" + text
+        end-of-turn token dropped, and the `<think>` (or the template's own opener) the generation prompt opened
+        put back in front."""
+        text, opener = encoder.assistant_text(generated), encoder.reasoning_tags[0]
+        if encoder.opens_reasoning and not text.lstrip().startswith(opener):
+            text = opener + text
         return await self._ask(text, list(encoder.tools or ()))
 
     async def check(self) -> None:

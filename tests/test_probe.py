@@ -144,3 +144,15 @@ def test_where_no_call_syntax_is_found_turns_are_read_by_the_template_alone_and_
         text = f"{markers['reasoning_open']}weigh it{markers['reasoning_close']}Sunny."
         assert reader.parse(text) == ParsedTurn("Sunny.", "weigh it")
     assert pickle.loads(pickle.dumps(reader)) == reader  # to Ray env workers, by value
+
+
+def test_where_reasoning_starts_is_read_off_the_template_with_its_own_markers():
+    """MiniMax-M3 reasons in `<mm:think>`, which its generation prompt opens only in its thinking mode: the turns
+    then start inside the reasoning, and the reader splits it off by the template's markers (not `<think>`)."""
+    thinking = ChatEncoder(family_tokenizer("MiniMaxAI-MiniMax-M3"), chat_template_kwargs={"thinking_mode": "enabled"})
+    adaptive = ChatEncoder(family_tokenizer("MiniMaxAI-MiniMax-M3"), chat_template_kwargs={"thinking_mode": "adaptive"})
+    assert thinking.reasoning_tags == adaptive.reasoning_tags == ("<mm:think>", "</mm:think>")
+    assert (thinking.opens_reasoning, adaptive.opens_reasoning) == (True, False)
+    turn = ParsedTurn("Sunny.", "weigh it")
+    assert thinking.reader.parse("weigh it</mm:think>Sunny.", in_reasoning=True) == turn
+    assert adaptive.reader.parse("<mm:think>weigh it</mm:think>Sunny.") == turn
