@@ -22,7 +22,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from engine.backends.base import Backend, GenerateResult, SamplingParams, TokenListener, can_stream
+from engine.backends.base import (
+    Backend,
+    GenerateResult,
+    SamplingParams,
+    TokenListener,
+    can_stream,
+    takes_token_buffers,
+)
 from engine.encoding import ChatEncoder
 from engine.envs.base import EnvRunner, StepResult
 from engine.errors import BackendError, ObservationError, PromptError, ResponseError, TurnError
@@ -97,8 +104,10 @@ async def generate_turn(
     if trajectory.token_listener is not None and can_stream(backend):
         streaming["on_tokens"] = _token_tap(trajectory, forbidden, on_listener_error)
     started = time.monotonic()
+    # a copy (the trajectory's array grows while a body may still be built from it in a worker thread)
+    prompt = trajectory.tokens[:] if takes_token_buffers(backend) else trajectory.tokens.tolist()
     result = await backend.generate(
-        trajectory.tokens.tolist(),
+        prompt,
         params,
         trajectory.image_data or None,
         rid=rid or uuid.uuid4().hex,

@@ -202,3 +202,34 @@ async def test_a_prompt_that_fills_the_window_ends_with_length_before_any_reques
     trajectory, backend = await run(encoder, [reply(encoder, "1")], env, max_context_len=5)
     assert (trajectory.status, trajectory.stop_reason) == (Status.TRUNCATED, StopReason.LENGTH)
     assert backend.requests == [] and trajectory.turns == [] and env.closed
+
+
+class NotingBackend(ScriptedBackend):
+    """Notes the input_ids each request was given, as given."""
+
+    def __init__(self, replies):
+        super().__init__(replies)
+        self.given: list[object] = []
+
+    async def generate(self, input_ids, *args, **kw):
+        self.given.append(input_ids)
+        return await super().generate(input_ids, *args, **kw)
+
+
+class BufferBackend(NotingBackend):
+    """Reads input_ids as an integer buffer."""
+
+    token_buffers = True
+
+
+@pytest.mark.anyio
+async def test_a_backend_that_reads_token_buffers_gets_a_copy_of_the_trajectorys_array_and_others_a_list(encoder):
+    """A copy: the request keeps the tokens it was sent while the trajectory grows (a body may still be built)."""
+    replies = [reply(encoder, "3"), reply(encoder, "4")]
+    trajectory, backend = await run(encoder, BufferBackend(replies), ScriptedEnv([obs("no"), obs("yes")]), max_turns=2)
+    assert [type(ids) for ids in backend.given] == [type(trajectory.tokens)] * 2
+    assert all(ids is not trajectory.tokens for ids in backend.given)
+    assert [list(ids) for ids in backend.given] == [r.input_ids for r in backend.requests]
+    assert len(backend.given[0]) == trajectory.prompt_length  # not grown by the turns after it
+    _, plain = await run(encoder, NotingBackend(replies), ScriptedEnv([obs("no"), obs("yes")]), max_turns=2)
+    assert [type(ids) for ids in plain.given] == [list] * 2

@@ -22,6 +22,11 @@ and dropped by the backend, and the generation goes on.
     if can_stream(backend):
         result = await backend.generate(prompt_ids, params, on_tokens=lambda ids: queue.send_nowait(ids))
 
+Token buffers. A backend whose `generate` reads `input_ids` as an integer buffer (an `array("i")`, an ndarray)
+without a Python loop over them says so with `token_buffers = True`; the turn loop then hands it a copy of the
+trajectory's token array (a memory copy) rather than a list built id by id, which at 64k tokens of history cost
+more of the loop than the rest of the turn (benchmarks/context_cost.py).
+
 A stream that breaks after some tokens arrived ends as an aborted generation (finish_reason `abort`) holding
 the tokens the listener got, with `meta[STREAM_BROKEN]` saying why, so the caller continues the turn from them
 (the scheduler retries it as a SERVER error) and no token is lost or sent twice.
@@ -148,6 +153,11 @@ class Backend(Protocol):
 def can_stream(backend: object) -> bool:
     """Whether `backend.generate` takes a token listener (`on_tokens`); see the module docstring."""
     return getattr(backend, "streams", False) is True
+
+
+def takes_token_buffers(backend: object) -> bool:
+    """Whether `backend.generate` reads `input_ids` as an integer buffer; see the module docstring."""
+    return getattr(backend, "token_buffers", False) is True
 
 
 def notify(listener: TokenListener | None, token_ids: list[int]) -> TokenListener | None:

@@ -25,7 +25,14 @@ from functools import partial
 from typing import Any
 
 from engine.backends.affinity import Placement, PolicyName, ServerLoad, least_loaded, make_placement
-from engine.backends.base import Backend, GenerateResult, SamplingParams, TokenListener, can_stream
+from engine.backends.base import (
+    Backend,
+    GenerateResult,
+    SamplingParams,
+    TokenListener,
+    can_stream,
+    takes_token_buffers,
+)
 from engine.backends.fanout import agreed_version, combined_error, gather, log_failures
 from engine.errors import BackendError
 
@@ -74,6 +81,11 @@ class BackendPool:
     def streams(self) -> bool:
         """Whether every server streams (engine/backends/base.py), so a listener can go to whichever is picked."""
         return all(can_stream(backend) for backend in self.backends)
+
+    @property
+    def token_buffers(self) -> bool:
+        """Whether every server reads `input_ids` as an integer buffer (engine/backends/base.py)."""
+        return all(takes_token_buffers(backend) for backend in self.backends)
 
     def _is_cooling(self, index: int, now: float) -> bool:
         return now - self._failed_at[index] < self.cooldown_s

@@ -84,6 +84,7 @@ class SGLangBackend:
     """
 
     streams = True
+    token_buffers = True  # input_ids as an array is copied and serialised without a loop over its ids
 
     def __init__(
         self,
