@@ -10,11 +10,11 @@ tokens and the env answers at once with a 40-token tool message. The server is a
 (httpx2.MockTransport: no network, no server process) that answers without decoding the body, so what is counted
 is the engine's own work: it counts the prompt's tokens from the body's bytes and replies with bytes built once.
 
-CPU per turn is this process's CPU time (every thread) of a run of `turns` turns, less that of a run of one turn
-with the same prompts (encoding the prompts and starting up cancel), over the extra turns. Each figure is the
-median of `repeats` pairs of runs. Reported per context and image count: `cpu_ms_per_turn`, `context_tokens`
-(the prompt's, images expanded), `request_bytes` (a turn's body), and `ratio_to_smallest`, each figure over that of
-the smallest context with the same images.
+CPU per turn is this process's CPU time (every thread) from the moment every trajectory has sent its first request
+(every prompt encoded, the engine started) to the end of the run, over the turns generated in that time. Each
+figure is the median of `repeats` runs. Reported per context and image count: `cpu_ms_per_turn`,
+`context_tokens` (the prompt's, images expanded), `request_bytes` (a turn's body), and `ratio_to_smallest`, each
+figure over that of the smallest context with the same images.
 """
 
 from __future__ import annotations
@@ -61,8 +61,11 @@ class CountingSGLang:
     """/model_info, and /generate answered with GENERATED tokens (the last the end-of-turn token), the prompt's
     length counted from the body's bytes (commas in its input_ids), the prompt's images expanded."""
 
-    def __init__(self, eot: int, images: int, pads_per_image: int):
+    def __init__(self, eot: int, images: int, pads_per_image: int, prompt_sent: int, trajectories: int):
         self.expanded = images * (pads_per_image - 1)  # the prompt's images, each sent as one pad
+        self.prompt_sent, self.first_left = prompt_sent, trajectories  # a first request sends the prompt alone
+        self.cpu_at_mark: float | None = None  # process CPU once every trajectory sent its first request
+        self.after_mark = 0  # requests since
         ids = [*np.random.default_rng(0).integers(1000, 20000, GENERATED - 1).tolist(), eot]
         self.reply_head = orjson.dumps({"text": "", "output_ids": ids})[:-1]
         self.logprobs = [[-0.5, token, None] for token in ids]
@@ -77,6 +80,12 @@ class CountingSGLang:
             return httpx2.Response(404, json={"detail": "Not Found"})
         body = request.content
         sent = body[: body.index(b"]")].count(b",") + 1
+        if self.cpu_at_mark is not None:
+            self.after_mark += 1
+        elif sent == self.prompt_sent:
+            self.first_left -= 1
+            if self.first_left == 0:
+                self.cpu_at_mark = time.process_time()
         meta = {
             "finish_reason": {"type": "stop", "matched": self.eot},
             "prompt_tokens": sent + self.expanded,
@@ -94,29 +103,26 @@ def prompt_of(context: int, images: int) -> list[dict[str, Any]]:
     return [{"role": "user", "content": [*parts, {"type": "text", "text": text}] if images else text}]
 
 
-async def run(
-    encoder: ChatEncoder, rows: list[dict[str, Any]], turns: int, images: int, pads: int
-) -> tuple[float, int]:
-    """(process CPU seconds, turns run) of every row's trajectory to `turns` turns; its prompt holds `images`
-    pictures of `pads` tokens each."""
-    mock = CountingSGLang(encoder.stop_token_ids[0], images, pads)
+async def run(encoder: ChatEncoder, rows: list[dict[str, Any]], turns: int, images: int, pads: int, sent: int) -> float:
+    """Process CPU seconds per turn of every row's trajectory to `turns` turns, from the moment every trajectory sent
+    its first request (of `sent` ids); its prompt holds `images` pictures of `pads` tokens each."""
+    mock = CountingSGLang(encoder.stop_token_ids[0], images, pads, sent, len(rows))
     config = EngineConfig(
         n_samples_per_prompt=1, max_inflight=len(rows), max_generating=len(rows), max_env_steps=len(rows),
         limits=TurnLimits(max_turns=turns), sampling=SamplingParams(max_new_tokens=GENERATED),
     )  # fmt: skip
     backend = SGLangBackend("http://sglang.test", image_token_id=encoder.image_token_id, transport=mock.transport)
-    started = time.process_time()
     async with backend, RolloutEngine(
         backend=backend, encoder=encoder, env_factory=lambda sample: EnvRunner(InstantEnv()), source=rows,
         config=config,
     ) as engine:  # fmt: skip
         groups = await engine.rollout(len(rows))
-    cpu = time.process_time() - started
-    done = [t for g in groups for t in g.trajectories]
-    failed = [t.errors for t in done if t.status.value == "failed"]
+    cpu = time.process_time()
+    failed = [t.errors for g in groups for t in g.trajectories if t.status.value == "failed"]
     if failed:
         raise RuntimeError(f"trajectories failed: {failed[0]}")
-    return cpu, sum(len(t.turns) for t in done)
+    assert mock.cpu_at_mark is not None and mock.after_mark > 0, "no turn after every first request"
+    return (cpu - mock.cpu_at_mark) / mock.after_mark
 
 
 def measure(encoder: ChatEncoder, context: int, images: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -124,12 +130,9 @@ def measure(encoder: ChatEncoder, context: int, images: int, args: argparse.Name
     encoded = encoder.encode_prompt(rows[0]["prompt"])
     ids = list(encoded.token_ids)
     pads = ids.count(encoder.image_token_id) // images if images else 1
-    per_turn = []
-    for _ in range(args.repeats):
-        long_cpu, long_turns = anyio.run(run, encoder, rows, args.turns, images, pads)
-        short_cpu, short_turns = anyio.run(run, encoder, rows, 1, images, pads)
-        per_turn.append((long_cpu - short_cpu) / (long_turns - short_turns))
-    body = 7 * (len(ids) - images * (pads - 1)) + sum(len(p) for p in encoded.image_data)
+    sent = len(ids) - images * (pads - 1)
+    per_turn = [anyio.run(run, encoder, rows, args.turns, images, pads, sent) for _ in range(args.repeats)]
+    body = 7 * sent + sum(len(p) for p in encoded.image_data)
     return {
         "context": context, "images": images, "context_tokens": len(ids), "request_bytes": body,
         "cpu_ms_per_turn": round(1e3 * statistics.median(per_turn), 3),
@@ -147,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
     if args.turns < 2:
-        parser.error("--turns must be at least 2 (one turn is the baseline run)")
+        parser.error("--turns must be at least 2 (the first turns are not counted)")
     from engine.models import load_processor, load_tokenizer
 
     text = ChatEncoder(load_tokenizer("qwen2.5"))
