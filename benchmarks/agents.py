@@ -16,9 +16,11 @@ agent path and Turnstile differ:
                 `--sglang-server-concurrency` semaphore around each sample's custom generate; at its default,
                 512, every sample of the step at once), every sample of a step run to its end before the step
                 returns (a barrier), no partial rollout
-  turn_partial  Turnstile: a generation slot only while a request generates, `over_sampling` x the step's
-                groups in flight, partial rollout: the sessions left at a step's end keep running (their
-                agents' requests held over the weight update)
+  turn_partial  Turnstile: a generation slot only while a request generates, groups in flight sized by the
+                server's own load (`--in-flight auto`, the default, at most `--over-sampling` x the step's
+                groups where given) or exactly `--over-sampling` x them (`--in-flight fixed`), partial rollout:
+                the sessions left at a step's end keep running (their agents' requests held over the weight
+                update)
 
 Both keep `generation_slots` requests on the server at most (twice its running cap by default).
 
@@ -26,7 +28,8 @@ Both do the same weight update between steps. Per policy (report.json):
   trained_tokens_per_s  model tokens (loss mask 1) of the COMPLETED and TRUNCATED samples returned, over the
                         policy's wall time
   backend_utilization   time-integral of running requests / (the server's cap x wall time)
-  step_seconds_p50 / p99, statuses (a session past max_staleness ends STALE: aborted, not trained),
+  step_seconds_p50 / p99, statuses (a session past max_staleness ends STALE: aborted, not trained), stale_share
+  (the share of returned sessions that ended STALE), in_flight_groups_by_step (the sized goal at each step's end),
   staleness_histogram (trained tokens by weight versions behind the trainer), requests, sessions
 and `speedup` (turn_partial's trained tokens per second over slime_style's).
 """
@@ -72,7 +75,9 @@ class Agents:
     target_groups: int = 8  # groups a step returns
     n_samples: int = 4
     num_steps: int = 10
-    over_sampling: float = 5.0  # turn_partial: groups in flight per group a step returns
+    over_sampling: float | None = None  # turn_partial: groups in flight per group a step returns (the most, with
+    # in_flight auto; None: what max_inflight holds)
+    in_flight: str = "auto"  # turn_partial: sized by the server's load (auto) or over_sampling x the target (fixed)
     refill: float = 0.0  # turn_partial: more groups a step may start in its tail (EngineConfig.refill)
     scheduling: str = "fifo"  # turn_partial's priority policy (EngineConfig.policy)
     max_staleness: int = 3
@@ -99,6 +104,7 @@ class PolicyRun:
     returned: list[list[Trajectory]] = field(default_factory=list)
     trainer_versions: list[str | None] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)
+    in_flight_goals: list[int | None] = field(default_factory=list)  # groups in flight at each step's end (sized)
     wall_seconds: float = 0.0
     server: dict[str, Any] = field(default_factory=dict)
     counts: Counter[str] = field(default_factory=Counter)
@@ -109,12 +115,15 @@ def engine_config(config: Agents, policy: str) -> EngineConfig:
     if policy == "slime_style":  # every sample of the step at once (within slime's default concurrency, 512)
         inflight, partial, over_sampling = min(step, SLIME_CONCURRENCY), False, 1.0
     else:
-        over_sampling = config.over_sampling
-        inflight, partial = math.ceil(config.target_groups * over_sampling) * config.n_samples, True
+        over_sampling, partial = config.over_sampling, True
+        inflight = EngineConfig.model_fields["max_inflight"].default  # the engine's, as a user leaves it
+        if over_sampling is not None:
+            inflight = math.ceil(config.target_groups * over_sampling) * config.n_samples
     return EngineConfig(
         n_samples_per_prompt=config.n_samples, max_inflight=inflight,
         max_generating=config.generation_slots or 2 * config.server.max_running,
-        partial_rollout=partial, over_sampling=over_sampling, max_staleness=config.max_staleness,
+        partial_rollout=partial, over_sampling=over_sampling, in_flight=config.in_flight if partial else "fixed",
+        max_staleness=config.max_staleness,
         refill=config.refill if partial else 0.0, policy=config.scheduling,
         max_turns=config.plan.max_requests, max_tokens=64 * 1024, max_new_tokens=config.max_new_tokens, seed=0,
     )  # fmt: skip
@@ -137,6 +146,7 @@ async def run_policy(policy: str, config: Agents, encoder: ChatEncoder, backend:
                 started = time.monotonic()
                 groups = await engine.rollout(config.target_groups)
                 run.step_times.append(time.monotonic() - started)
+                run.in_flight_goals.append(engine.sizer.goal if engine.sizer is not None else None)
                 run.returned.append([t for group in groups for t in group.trajectories])
                 run.trainer_versions.append(await backend.weight_version())
                 await engine.pause()
@@ -178,6 +188,8 @@ def summarize(run: PolicyRun) -> dict[str, Any]:
         "wall_seconds": run.wall_seconds,
         "samples_returned": sum(map(len, run.returned)),
         "statuses": dict(statuses),
+        "stale_share": sum(n for key, n in statuses.items() if key.endswith("/stale")) / max(1, sum(statuses.values())),
+        "in_flight_groups_by_step": run.in_flight_goals,
         "staleness_histogram": {str(k): v for k, v in sorted(staleness.items())},
         "agent_requests": run.counts["requests"],
         "agent_exits": {k.split(":", 1)[1]: v for k, v in run.counts.items() if k.startswith("agent_exits:")},
@@ -199,7 +211,7 @@ async def run_benchmark(config: Agents, *, policies: tuple[str, ...] = POLICIES,
                 log(
                     f"{policy:13} trained tokens/s {result['trained_tokens_per_s']:8.1f}  utilization "
                     f"{result['backend_utilization']:.3f}  steps p50 {result['step_seconds_p50']:.1f} s  "
-                    f"requests {result['agent_requests']}"
+                    f"requests {result['agent_requests']}  stale {result['stale_share']:.3f}"
                 )
     if set(POLICIES) <= set(policies):
         slime, turn = report["policies"]["slime_style"], report["policies"]["turn_partial"]
@@ -207,6 +219,7 @@ async def run_benchmark(config: Agents, *, policies: tuple[str, ...] = POLICIES,
         report["targets"] = {
             "speedup_at_least_3": report["speedup"] >= 3.0,
             "utilization_at_least_0.85": turn["backend_utilization"] >= 0.85,
+            "stale_share_at_most_0.1": turn["stale_share"] <= 0.1,
         }
     return report
 
@@ -218,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="write report.json here")
     parser.add_argument("--num-steps", type=int, default=None, help="steps per policy (default: the size's)")
     parser.add_argument("--over-sampling", type=float, default=None, help="turn_partial's groups in flight per group")
+    parser.add_argument("--in-flight", choices=("auto", "fixed"), default=None, help="turn_partial's in_flight")
     parser.add_argument("--refill", type=float, default=None)
     parser.add_argument("--scheduling", choices=("fifo", "group_completion", "oldest"), default=None)
     parser.add_argument("--max-staleness", type=int, default=None)
@@ -225,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     config = SIZES[args.size]
     overrides = {"num_steps": args.num_steps, "over_sampling": args.over_sampling, "refill": args.refill,
+                 "in_flight": args.in_flight,
                  "scheduling": args.scheduling, "max_staleness": args.max_staleness}  # fmt: skip
     config = replace(config, server=replace(config.server, seed=args.seed),
                      **{k: v for k, v in overrides.items() if v is not None})  # fmt: skip

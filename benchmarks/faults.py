@@ -449,7 +449,7 @@ class Suite:
         return EngineConfig(
             n_samples_per_prompt=s.n_samples, max_inflight=math.ceil(s.target_groups * s.over_sampling) * s.n_samples,
             max_generating=s.server.max_running, max_env_steps=s.max_env_steps, policy=s.scheduling,
-            partial_rollout=True, over_sampling=s.over_sampling, on_stale="restart",
+            partial_rollout=True, over_sampling=s.over_sampling, in_flight="fixed", on_stale="restart",
             max_staleness=3 if case is not None and case.agents is not None else 1,
             limits=self.limits, sampling=self.sampling, retry=self.retry, seed=self.seed,
         )  # fmt: skip

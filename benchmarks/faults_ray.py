@@ -88,7 +88,8 @@ def _run(suite: Suite, case: Case) -> CaseRun:
     workload = replace(suite.workload, reward_source="env")  # the bridge scores by the env's reward
     settings = BridgeSettings(
         n_samples_per_prompt=size.n_samples, target_groups=size.target_groups, partial_rollout=True,
-        over_sampling=size.over_sampling, max_turns=workload.max_turns, env_path="benchmarks.faults_env",
+        over_sampling=size.over_sampling, in_flight="fixed", max_turns=workload.max_turns,
+        env_path="benchmarks.faults_env",
         url=server.url, max_tokens=size.max_tokens, sampling=suite.sampling, max_generating=size.server.max_running,
         max_inflight=math.ceil(size.target_groups * size.over_sampling) * size.n_samples,
         max_env_steps=size.max_env_steps, policy=size.scheduling, retry=RetryPolicy(env_step_timeout_s=STEP_TIMEOUT_S),

@@ -35,6 +35,7 @@ def engine_config(setup: Setup, *, partial: bool) -> EngineConfig:
         policy=setup.scheduling,
         partial_rollout=partial,
         over_sampling=over_sampling,
+        in_flight="fixed",  # the workload's in-flight size, as slime's over-sampling sets it
         refill=setup.refill,
         max_staleness=setup.max_staleness,
         on_stale="restart",

@@ -39,6 +39,7 @@ from engine.engine import EngineConfig, RolloutEngine
 from engine.envs.base import AsyncInteractionEnv, EnvRunner
 from engine.metrics.logging import TurnLogger
 from engine.metrics.recorder import MetricsRecorder
+from engine.parsers.probed import NoCallsParser
 from engine.turn import TurnLimits
 
 STOP = 2
@@ -73,7 +74,8 @@ class FixedEncoder:
 
     stop_token_ids = (STOP,)
     vision_token_ids: frozenset[int] = frozenset()  # no VLM processor
-    family = parser = None  # no model family, no parser: tool calls in the default (Qwen2.5) form
+    family = parser = None  # no model family, no parser of calls
+    reader = NoCallsParser("a stand-in encoder with no chat template")  # its turns are content, no reasoning
     opens_reasoning = False
 
     def encode_prompt(self, prompt, images=None) -> Encoded:

@@ -234,7 +234,7 @@ def engine_config(size: Size) -> EngineConfig:
     return EngineConfig(
         n_samples_per_prompt=size.n_samples, max_inflight=groups * size.n_samples,
         max_generating=groups * size.n_samples, max_env_steps=groups * size.n_samples,
-        policy="oldest", partial_rollout=True, over_sampling=size.over_sampling, max_staleness=1,
+        policy="oldest", partial_rollout=True, over_sampling=size.over_sampling, in_flight="fixed", max_staleness=1,
         on_stale="restart", limits=TurnLimits(max_turns=size.max_turns, max_tokens=size.max_tokens),
         sampling=SamplingParams(max_new_tokens=size.max_new_tokens), seed=0,
     )  # fmt: skip

@@ -26,7 +26,7 @@ one holding the finish reason, then `data: [DONE]`. Each chunk's meta_info has `
 injected error is answered before any chunk; a streamed reply is never malformed.
 
 Endpoints: POST /generate, /abort_request, /pause_generation, /continue_generation,
-/update_weights_from_disk; GET /model_info, /health, /health_generate, /server_info (and the deprecated
+/update_weights_from_disk; GET /model_info, /v1/loads, /health, /health_generate, /server_info (and the deprecated
 /get_model_info, /get_server_info, which sglang-router reads when a worker registers); and for
 the benchmark GET /stats (measurements since the last POST /stats/reset) and POST /sim/reset (abort
 everything, forget the model's and the cache's state, set the weight version).
@@ -49,8 +49,9 @@ chained by hash, a radix tree's paths) evicted least recently used first, deepes
 prefill only for its uncached tokens and its reply's `meta_info.cached_tokens` says how many were cached. Time is
 kept by events, not steps (`CachedServer`): running requests advance together at one token per
 `decode_a + decode_b * running` seconds, stalled while a prefill of `prefill_s_per_token` per uncached token runs;
-one timer per server fires at the next finish. `GET /s/i/get_load` answers as SGLang's `/get_load` does (one
-entry per data-parallel rank: `num_reqs`, `num_waiting_reqs`, `num_tokens`); `GET /stats` gives each server's
+one timer per server fires at the next finish. `GET /s/i/get_load` answers as SGLang's `/get_load` did (one
+entry per data-parallel rank: `num_reqs`, `num_waiting_reqs`, `num_tokens`), `GET /s/i/v1/loads` as SGLang 0.5.x's
+`/v1/loads` does (its `core` section); `GET /stats` gives each server's
 measurements and their sum (these also count `waiting_seconds`, the time-integral of requests waiting, and
 `blocked_slot_seconds`, of slots free while the queue's head waits for KV room; `kv_blocked_share` is the latter
 over all slot time), `POST /stats/reset` and `POST /sim/reset` act on every server.
@@ -409,6 +410,12 @@ class SimServer:
     async def get_server_info_deprecated(self, http: web.Request) -> web.Response:
         return await self.server_info(http)
 
+    async def v1_loads(self, http: web.Request) -> web.Response:
+        """As SGLang 0.5.x's GET /v1/loads (its `core` section; no KV is modelled here, so no token usage)."""
+        rank = {"dp_rank": 0, "num_running_reqs": len(self.running), "num_waiting_reqs": len(self.waiting),
+                "max_running_requests": self.config.max_running, "token_usage": 0.0}  # fmt: skip
+        return web.json_response({"version": "sim", "loads": [rank]})
+
     async def get_stats(self, http: web.Request) -> web.Response:
         self._integrate()
         snapshot = self.stats.snapshot(self.config.max_running)
@@ -453,6 +460,7 @@ class SimServer:
             ("POST", "/continue_generation", self.continue_generation),
             ("POST", "/update_weights_from_disk", self.update_weights_from_disk),
             ("GET", "/model_info", self.model_info),
+            ("GET", "/v1/loads", self.v1_loads),
             ("GET", "/health", self.health),
             ("GET", "/health_generate", self.health),
             ("GET", "/server_info", self.server_info),
@@ -774,6 +782,12 @@ class CachedServer:
         return [{"dp_rank": 0, "num_reqs": len(self.running), "num_waiting_reqs": len(self.waiting),
                  "num_tokens": tokens}]  # fmt: skip
 
+    def v1_load(self) -> dict[str, Any]:
+        """As one rank of SGLang 0.5.x's GET /v1/loads (`core`): `token_usage` is the KV running requests hold."""
+        held = (self.cache.num_used - len(self.cache.evictable)) / self.cache.capacity if self.cache.capacity else 0.0
+        return {"dp_rank": 0, "num_running_reqs": len(self.running), "num_waiting_reqs": len(self.waiting),
+                "max_running_requests": self.config.max_running, "token_usage": round(held, 4)}  # fmt: skip
+
     def snapshot(self) -> dict[str, Any]:
         self._advance(time.monotonic())
         out = self.stats.snapshot(self.config.max_running)
@@ -874,6 +888,9 @@ class Fleet:
     async def get_load(self, http: web.Request) -> web.Response:
         return web.json_response(self._server(http).load())
 
+    async def v1_loads(self, http: web.Request) -> web.Response:
+        return web.json_response({"version": "sim", "loads": [self._server(http).v1_load()]})
+
     async def model_info(self, http: web.Request) -> web.Response:
         version = self._server(http).weight_version
         return web.json_response({"model_path": "sim", "is_generation": True, "weight_version": version})
@@ -918,6 +935,7 @@ class Fleet:
             ("POST", "continue_generation", self.continue_generation),
             ("POST", "update_weights_from_disk", self.update_weights_from_disk),
             ("GET", "get_load", self.get_load),
+            ("GET", "v1/loads", self.v1_loads),
             ("GET", "model_info", self.model_info),
             ("GET", "get_model_info", self.model_info),
             ("GET", "server_info", self.server_info),

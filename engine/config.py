@@ -167,9 +167,15 @@ class EngineConfig(BaseModel):
     partial_rollout: Annotated[bool, Slime("`--partial-rollout`")] = False
     """A step returns once its target groups are done; the rest are paused, envs alive, and resume next step."""
     over_sampling: Annotated[
-        float, Field(ge=1.0), Slime("`--over-sampling-batch-size` / `--rollout-batch-size`", fills=True)
-    ] = 1.0
-    """With partial rollout, groups kept in flight per group a step wants."""
+        float | None, Field(ge=1.0), Slime("`--over-sampling-batch-size` / `--rollout-batch-size`", fills=True)
+    ] = None
+    """With partial rollout, groups kept in flight per group a step wants: the most (in_flight auto), or exactly
+    (in_flight fixed). None: up to what max_inflight holds (auto), 1 (fixed)."""
+    in_flight: Annotated[Literal["auto", "fixed"], FLAG] = "auto"
+    """With partial rollout, how many groups a step keeps in flight. auto: sized by the servers' own load (SGLang's
+    GET /v1/loads): one more while they have room, fewer when requests queue, the KV cache fills, or too many
+    sessions come back stale; between the step's target and over_sampling x it. fixed: over_sampling x the
+    target, as servers that report no load get too."""
     refill: Annotated[float, Field(ge=0)] = 0.0
     """With partial rollout, more groups a step may start, per group it wants, while fewer trajectories are
     live than max_generating (the step's tail); they resume first next step. Raise max_staleness with it."""
@@ -263,8 +269,14 @@ class EngineConfig(BaseModel):
         partial rollout `target * over_sampling` and `target * refill` more; `target` and `target` otherwise."""
         if not self.partial_rollout:
             return target, target
-        goal = math.ceil(target * self.over_sampling)
+        goal = math.ceil(target * (self.over_sampling or 1.0))
         return goal, goal + math.ceil(target * self.refill)
+
+    def in_flight_ceiling(self, target: int) -> int:
+        """The most groups a step of `target` keeps in flight when sized by the servers (in_flight auto)."""
+        if self.over_sampling is not None:
+            return math.ceil(target * self.over_sampling)
+        return max(target, self.max_inflight // self.n_samples_per_prompt)
 
     @property
     def limits(self) -> TurnLimits:

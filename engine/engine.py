@@ -8,16 +8,17 @@
 
 Each prompt row becomes a group of `n_samples_per_prompt` trajectories, emitted once every member
 has ended, after an optional filter (dropped groups are counted by reason). With partial rollout a
-step keeps `target * over_sampling` groups in flight; once `target` are done it returns them and
-pauses the rest, which resume first in the next step with their envs and turn state. With `refill`,
-the step's tail (fewer trajectories live than generation slots) starts up to `target * refill` more.
+step keeps groups in flight beyond its target, sized by the servers' own load (`in_flight` auto,
+engine/scheduler/inflight.py; at most `target * over_sampling`) or exactly `target * over_sampling`
+(`in_flight` fixed); once `target` are done it returns them and pauses the rest, which resume first
+in the next step with their envs and turn state. With `refill`, the step's tail (fewer trajectories
+live than generation slots) starts up to `target * refill` more.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import math
 import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
@@ -34,6 +35,7 @@ from engine.encoding import ChatEncoder
 from engine.envs.base import AbandonedCalls, EnvRunner
 from engine.envs.loader import EnvSample
 from engine.errors import (
+    BackendError,
     EnvError,
     ErrorClass,
     FilterError,
@@ -48,6 +50,7 @@ from engine.hosting import EnvHost, HostedEnv
 from engine.metrics.events import Observer
 from engine.metrics.recorder import MetricsRecorder
 from engine.metrics.summary import step_summary
+from engine.scheduler.inflight import InFlightSizer
 from engine.scheduler.partial import mask_offpolicy
 from engine.scheduler.retry import CircuitBreaker, RetryBudget
 from engine.scheduler.scheduler import SCORED, Scheduler, maybe_await
@@ -56,6 +59,8 @@ from engine.source import PromptSource, RowSource, check_row
 from engine.statistics import EngineStatistics
 from engine.trajectory import Group, Status, StopReason, Trajectory
 from engine.turn import ServerReader, record_failure
+
+SIZING_INTERVAL_S = 0.5  # how often a step of in_flight auto reads the servers' load
 
 if TYPE_CHECKING:
     from engine.metrics.prometheus import MetricsExporter
@@ -171,6 +176,8 @@ class RolloutEngine:
         self._exhausted = False
         self._changed = Broadcast()  # a trajectory ended, or a group finished
         self._group_ids = itertools.count()  # one space for the engine's groups and `run_one`'s trajectories
+        self.sizer: InFlightSizer | None = None  # in_flight auto: groups in flight sized by the servers' load
+        self._unsized: str | None = None  # why in_flight auto cannot size here (the servers report no load)
 
     async def __aenter__(self) -> RolloutEngine:
         """Start: the collector's freeze (`gc_freeze`, once per process), the backend's weight version, the metrics
@@ -219,19 +226,31 @@ class RolloutEngine:
         if self.scheduler.is_paused:
             await self.resume()
         partial = self.config.partial_rollout
-        goal, refilled = self.config.step_groups(target_groups)
+        fixed, refilled = self.config.step_groups(target_groups)
+        tail = refilled - fixed  # more groups the step's tail may start (refill)
+        sizer = self._sizer_for(target_groups)
         self._wanted = target_groups
         self._step_drops = 0
-        while len(self._done) < target_groups:
-            self._admit(goal)
-            if refilled > goal:  # the step's tail: start more groups while the servers could take more
-                self._admit(refilled, live=self.config.max_generating)
-            if not self._open and self._exhausted:
-                break
-            await self._wait_for_change()
+        sizing = anyio.CancelScope()  # the sizer reads the servers' load while this step runs
+        if sizer is not None:
+            self._tasks.start_soon(self._size_by_load, sizer, sizing)
+        try:
+            while len(self._done) < target_groups:
+                goal = fixed if self.sizer is None else self.sizer.goal
+                self._admit(goal)
+                if tail > 0:  # the step's tail: start more groups while the servers could take more
+                    self._admit(goal + tail, live=self.config.max_generating)
+                if not self._open and self._exhausted:
+                    break
+                await self._wait_for_change()
+        finally:
+            sizing.cancel()
         self._wanted = 0
         groups = [self._done.popleft() for _ in range(min(target_groups, len(self._done)))]
         self._counts["returned"] += len(groups)
+        if self.sizer is not None:
+            sessions = [t for group in groups for t in group.trajectories]
+            self.sizer.step_ended(sum(t.stop_reason is StopReason.STALE for t in sessions), len(sessions))
         if partial and self._open:
             await self.scheduler.pause_generation()
         seconds = time.monotonic() - started
@@ -242,6 +261,40 @@ class RolloutEngine:
         )
         StepFailedError.check(groups, self.config.max_failed_share)
         return groups
+
+    def _sizer_for(self, target: int) -> InFlightSizer | None:
+        """The sizer of a step of `target` groups (in_flight auto, with partial rollout, where the servers report
+        their load); the one of the step before where the target is the same."""
+        ceiling = self.config.in_flight_ceiling(target)
+        if not self.config.partial_rollout or self.config.in_flight != "auto" or self._unsized or ceiling <= target:
+            self.sizer = None  # nothing to size: over_sampling x the target (at most the target itself)
+        elif self.sizer is None or (self.sizer.floor, self.sizer.ceiling) != (target, ceiling):
+            self.sizer = InFlightSizer(floor=target, ceiling=ceiling)
+        return self.sizer
+
+    async def _size_by_load(self, sizer: InFlightSizer, sizing: anyio.CancelScope) -> None:
+        """While the step runs (`sizing`): the servers' load, every SIZING_INTERVAL_S, to the sizer. Servers that
+        report none turn sizing off for good (over_sampling x the target then, as in_flight fixed), said once."""
+        report = getattr(self.backend, "reported_loads", None)
+        with sizing:
+            while True:
+                try:
+                    loads = None if report is None else await report()
+                except BackendError as exc:  # a poll that failed: the next one may not
+                    log.debug("in_flight auto: the servers' load could not be read: %s", exc)
+                    loads = []
+                if loads is None:
+                    self._unsized = (
+                        "the backend reports no load" if report is None else "its servers serve no /v1/loads"
+                    )
+                    said = log.info if report is None else log.warning
+                    said("in_flight auto: %s; over_sampling x the step's target stays in flight", self._unsized)
+                    self.sizer = None
+                    self._changed.notify()
+                    return
+                if loads and sizer.observe(loads):
+                    self._changed.notify()
+                await anyio.sleep(SIZING_INTERVAL_S)
 
     async def stream(self) -> AsyncIterator[Group]:
         """Groups as they finish, admitting prompts as room frees up, until the source runs dry."""
@@ -550,7 +603,8 @@ class RolloutEngine:
             )
         verdict = answer if isinstance(answer, Verdict) else Verdict(keep=answer is None, reason=answer)
         candidates = len(self._open) + len(self._done)  # groups this step can still return, this one too
-        margin = math.ceil(self._wanted * self.config.over_sampling) - self._wanted  # what slime's one round may drop
+        in_flight = self.sizer.goal if self.sizer is not None else self.config.step_groups(self._wanted)[0]
+        margin = in_flight - self._wanted  # what slime's one round may drop
         insufficient = candidates <= self._wanted or (self._wanted and self._step_drops >= margin)
         if not verdict.keep and verdict.keep_when_insufficient and insufficient:
             return Verdict(keep=True)

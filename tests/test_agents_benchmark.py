@@ -22,4 +22,11 @@ async def test_the_small_agent_benchmark_runs_both_policies_and_reports_the_targ
         assert sum(result["staleness_histogram"].values()) == result["trained_tokens"]
     slime, turn = report["policies"]["slime_style"], report["policies"]["turn_partial"]
     assert report["speedup"] == pytest.approx(turn["trained_tokens_per_s"] / slime["trained_tokens_per_s"])
-    assert set(report["targets"]) == {"speedup_at_least_3", "utilization_at_least_0.85"}
+    assert set(report["targets"]) == {"speedup_at_least_3", "utilization_at_least_0.85", "stale_share_at_most_0.1"}
+    # Turnstile's groups in flight were sized by the server's load, each step within its target and ceiling
+    goals = turn["in_flight_groups_by_step"]
+    assert len(goals) == config.num_steps and all(
+        config.target_groups <= goal <= config.target_groups * config.over_sampling for goal in goals
+    )
+    stale = sum(n for key, n in turn["statuses"].items() if key.endswith("/stale"))
+    assert turn["stale_share"] == stale / turn["samples_returned"]

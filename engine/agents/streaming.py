@@ -7,9 +7,10 @@ reasoning and the content that can be sent already out, each only ever grown, ne
 
 What cannot be known yet is held back: a tool call (from its opening marker on: the calls go out whole, once the
 turn is parsed), the end of the text where it may be the start of a marker (`<think>`, `</think>`, a call's
-opener) or of a stop string, and a character whose bytes have not all arrived. Families whose turns are not
-`[<think>reasoning</think>] content [calls]` (harmony's channels, say) stream nothing before the turn ends; the
-reply still starts at once, and keeps its connection alive until then.
+opener) or of a stop string, and a character whose bytes have not all arrived. The markers are the family's, or
+those read off the template (a probed layout's; a template whose calls no parser reads streams its reasoning and
+content by its own reasoning markers). Turns that are not `[reasoning] content [calls]` (harmony's channels, say)
+stream nothing before the turn ends; the reply still starts at once, and keeps its connection alive until then.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.parsers.probed import NoCallsParser, ProbedParser
 from engine.parsers.reasoning import THINK_CLOSE, THINK_OPEN, ThinkingParser, split_reasoning
 
 
@@ -62,26 +64,42 @@ class Sent:
         return pieces
 
 
+def stream_layout(parser: Any) -> tuple[str, str, str] | None:
+    """What a turn read by `parser` streams by: its reasoning block's opening and closing markers and its calls'
+    opener ("" where there is none). None for a turn that is not `[reasoning] content [calls]` (harmony's
+    channels), which streams nothing before it ends."""
+    if isinstance(parser, ThinkingParser):
+        return THINK_OPEN, THINK_CLOSE, parser.call_opener
+    if isinstance(parser, NoCallsParser):
+        return parser.reasoning_open.strip(), parser.reasoning_close.strip(), ""
+    if isinstance(parser, ProbedParser):
+        layout = parser.layout
+        opener = (layout.section_open or layout.call_open).strip()
+        return layout.reasoning_open.strip(), layout.reasoning_close.strip(), opener
+    return None
+
+
 class StreamSplitter:
     """The sendable reasoning and content of a turn, as its tokens arrive (the module's docstring)."""
 
     def __init__(self, encoder: Any, *, stop: tuple[str, ...] = ()):
-        parser = encoder.reader
-        self._parser = parser if isinstance(parser, ThinkingParser) else None
-        self._opener = getattr(parser, "call_opener", "")
+        layout = stream_layout(encoder.reader)
+        self._streams = layout is not None
+        self._think_open, self._think_close, self._opener = layout or ("", "", "")
         self._in_reasoning = encoder.opens_reasoning
-        self._markers = tuple(m for m in (THINK_OPEN, THINK_CLOSE, self._opener, *stop) if m)
+        self._markers = tuple(m for m in (self._think_open, self._think_close, self._opener, *stop) if m)
         self._cuts = tuple(m for m in (self._opener, *stop) if m)  # nothing after these is sent before the end
         self._text = TurnText(encoder.tokenizer, encoder.stop_token_ids)
         self.sent = Sent()
 
     def feed(self, ids: list[int]) -> list[tuple[str, str]]:
         """The new pieces, ("reasoning" | "content", text), that `ids` make sendable."""
-        if not self._text.feed(ids) or self._parser is None or self.sent.diverged:
+        if not self._text.feed(ids) or not self._streams or self.sent.diverged:
             return []
         reasoning, rest = split_reasoning(
-            self._sendable(self._text.text), in_reasoning=self._in_reasoning, call_opener=self._opener
-        )
+            self._sendable(self._text.text), in_reasoning=self._in_reasoning, call_opener=self._opener,
+            opener=self._think_open, closer=self._think_close,
+        )  # fmt: skip
         pieces = []
         for kind, now in (("reasoning", reasoning), ("content", rest.strip())):
             had = getattr(self.sent, kind)

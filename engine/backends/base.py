@@ -47,6 +47,18 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
+class ReportedLoad:
+    """What one server reports it runs (SGLang's `GET /v1/loads`, summed over its data-parallel ranks): requests
+    running and waiting, the most it runs at once, and the share of its KV cache in use (0 to 1). A backend that
+    can report it has `async def reported_loads() -> list[ReportedLoad] | None` (None: its servers do not say)."""
+
+    running: int
+    waiting: int
+    max_running: int
+    token_usage: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
 class SamplingParams:
     """Per-request sampling, with SGLang's field names. `temperature=0` is greedy."""
 

@@ -28,6 +28,7 @@ from engine.backends.affinity import Placement, PolicyName, ServerLoad, least_lo
 from engine.backends.base import (
     Backend,
     GenerateResult,
+    ReportedLoad,
     SamplingParams,
     TokenListener,
     can_stream,
@@ -167,6 +168,16 @@ class BackendPool:
 
     async def resume(self) -> None:
         await self._each("resume")
+
+    async def reported_loads(self) -> list[ReportedLoad] | None:
+        """What every server reports it runs (engine/backends/base.py); None unless every server can say. Servers
+        that fail are left out."""
+        if not all(hasattr(backend, "reported_loads") for backend in self.backends):
+            return None
+        reported = (await self._each("reported_loads")).values()
+        if any(loads is None for loads in reported):
+            return None
+        return [load for loads in reported for load in loads]
 
     async def weight_version(self) -> str | None:
         """The version most servers report (see `fanout.agreed_version`); servers that fail are left out."""

@@ -45,7 +45,7 @@ from typing import Any, TypeVar
 import anyio
 import httpx2
 
-from engine.backends.base import GenerateResult, SamplingParams, TokenListener, notify
+from engine.backends.base import GenerateResult, ReportedLoad, SamplingParams, TokenListener, notify
 from engine.backends.fanout import agreed_version, combined_error, gather, log_failures
 from engine.backends.sglang_format import THREAD_MIN_BYTES, JSONStrings, body_size, generate_body, parse_generate_reply
 from engine.backends.sglang_read import read_turn
@@ -335,6 +335,32 @@ class SGLangBackend:
         worker's version; workers that cannot be reached are logged and left out."""
         versions = await self._each("GET /model_info", self._weight_version_of)
         return agreed_version(versions)
+
+    async def reported_loads(self) -> list[ReportedLoad] | None:
+        """What the server, or each worker of the router, reports it runs (`GET /v1/loads`, SGLang 0.5.x); None
+        where a server does not serve it (an older SGLang answers 404). Workers that fail are left out."""
+        loads = await self._each("GET /v1/loads", self._load_of)
+        if any(load is None for load in loads.values()):
+            return None
+        return [load for load in loads.values() if load is not None]
+
+    @staticmethod
+    async def _load_of(server: HTTPServer) -> ReportedLoad | None:
+        where = "GET /v1/loads"
+        response = await server.served("/v1/loads?include=core")
+        if response is None:
+            return None
+        reply = server.json(where, response)
+        ranks = reply.get("loads") if isinstance(reply, dict) else None
+        try:
+            return ReportedLoad(
+                running=sum(int(rank["num_running_reqs"]) for rank in ranks),
+                waiting=sum(int(rank["num_waiting_reqs"]) for rank in ranks),
+                max_running=sum(int(rank["max_running_requests"]) for rank in ranks),
+                token_usage=max((float(rank.get("token_usage", 0.0)) for rank in ranks), default=0.0),
+            )
+        except (TypeError, KeyError, ValueError) as exc:
+            raise server.error(ErrorClass.MALFORMED, where, f"no load per rank ({exc!r})", str(reply)[:500]) from exc
 
     @staticmethod
     async def _weight_version_of(server: HTTPServer) -> str | None:

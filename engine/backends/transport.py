@@ -144,6 +144,16 @@ class HTTPServer:
             raise self.status_error(f"{method} {endpoint}", response)
         return response
 
+    async def served(self, endpoint: str) -> httpx2.Response | None:
+        """GET `endpoint`'s successful reply, or None where the server answers 404 (it does not serve it); any
+        other failure raises as `call` does."""
+        response = await self.send("GET", endpoint)
+        if response.status_code == 404:
+            return None
+        if not response.is_success:
+            raise self.status_error(f"GET {endpoint.partition('?')[0]}", response)
+        return response
+
     async def health_status(self, timeout: httpx2.Timeout) -> int | None:
         """The HTTP status of GET /health, or None when the server cannot be reached."""
         try:

@@ -18,13 +18,11 @@ async def list_workers(server: HTTPServer) -> list[str] | None:
     Raises BackendError when it cannot be reached, answers as neither, or is a router that lists no worker."""
     where = "GET /workers"
     try:
-        response = await server.send("GET", "/workers")
+        response = await server.served("/workers")
     except BackendError as exc:
         raise exc.noted("asked to tell an SGLang server from an sglang-router") from exc
-    if response.status_code == 404:
+    if response is None:
         return None
-    if not response.is_success:
-        raise server.status_error(where, response)
     reply = server.json(where, response)
     workers = reply.get("workers") if isinstance(reply, dict) else None
     if not isinstance(workers, list) or not all(isinstance(w, dict) and isinstance(w.get("url"), str) for w in workers):

@@ -23,6 +23,7 @@ from functools import cached_property
 from typing import Any
 
 from engine.parsers.base import Malformed, MalformedCall, ParsedTurn, ToolCallText
+from engine.parsers.reasoning import split_reasoning
 from engine.parsers.scan import must_be_object
 from engine.parsers.values import add_argument, as_text
 
@@ -62,21 +63,6 @@ def _unanchored(marker: str) -> re.Pattern[str]:
     return re.compile(r"\s*".join(re.escape(part) for part in marker.split()))
 
 
-def split_reasoning(text: str, in_reasoning: bool, opener: str, closer: str) -> tuple[str, str]:
-    """(reasoning, the rest) of a turn, by the template's reasoning markers ("" where it writes none)."""
-    opener, closer = opener.strip(), closer.strip()
-    if not closer:
-        return "", text
-    if opener and text.lstrip().startswith(opener):
-        text, in_reasoning = text.lstrip()[len(opener) :], True
-    if not in_reasoning:
-        return "", text
-    at = text.find(closer)
-    if at < 0:
-        return text.strip(), ""
-    return text[:at].strip(), text[at + len(closer) :]
-
-
 class NoCallSyntax(ValueError):
     """Tool calls were asked of a model whose call syntax no parser knows."""
 
@@ -99,7 +85,9 @@ class NoCallsParser:
     def parse(self, text: str, *, tools: list[dict] | None = None, in_reasoning: bool = False) -> ParsedTurn:
         if tools:
             raise self.refused()
-        reasoning, rest = split_reasoning(text, in_reasoning, self.reasoning_open, self.reasoning_close)
+        reasoning, rest = split_reasoning(
+            text, in_reasoning=in_reasoning, opener=self.reasoning_open, closer=self.reasoning_close
+        )
         return ParsedTurn(rest.strip(), reasoning)
 
     def format_call(self, name: str, arguments: dict[str, Any], *, index: int = 0) -> str:
@@ -147,7 +135,10 @@ class ProbedParser:
         return ParsedTurn(rest[: found.start()].strip(), reasoning, self._calls(rest, found.start(), tools or []))
 
     def _split_reasoning(self, text: str, in_reasoning: bool) -> tuple[str, str]:
-        return split_reasoning(text, in_reasoning, self.layout.reasoning_open, self.layout.reasoning_close)
+        layout = self.layout
+        return split_reasoning(
+            text, in_reasoning=in_reasoning, opener=layout.reasoning_open, closer=layout.reasoning_close
+        )
 
     def _calls(self, text: str, start: int, tools: list[dict]) -> tuple[ToolCallText, ...]:
         layout, at, calls = self.layout, start, []

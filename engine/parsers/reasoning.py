@@ -11,19 +11,25 @@ from engine.parsers.base import ParsedTurn, ToolCallText
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
-def split_reasoning(text: str, *, in_reasoning: bool, call_opener: str = "") -> tuple[str, str]:
+def split_reasoning(
+    text: str, *, in_reasoning: bool, call_opener: str = "", opener: str = THINK_OPEN, closer: str = THINK_CLOSE
+) -> tuple[str, str]:
     """(reasoning, the rest). Reasoning is open when the prompt opened it (`in_reasoning`) or the text starts
-    with <think>; it ends at </think>, or at a call's opening marker (SGLang's reasoning parsers for Qwen3,
-    GLM-4.5 and Kimi-K2 read a call opened before </think> as the end of the reasoning too), else at the end."""
-    if text.lstrip().startswith(THINK_OPEN):
-        text, in_reasoning = text.lstrip().removeprefix(THINK_OPEN), True
+    with <think> (`opener`); it ends at </think> (`closer`), or at a call's opening marker (SGLang's reasoning
+    parsers for Qwen3, GLM-4.5 and Kimi-K2 read a call opened before </think> as the end of the reasoning too),
+    else at the end. A template that writes no reasoning block (no `closer`) has none."""
+    opener, closer = opener.strip(), closer.strip()
+    if not closer:
+        return "", text
+    if opener and text.lstrip().startswith(opener):
+        text, in_reasoning = text.lstrip().removeprefix(opener), True
     if not in_reasoning:
         return "", text
-    ends = [(at, len(marker)) for marker in (THINK_CLOSE, call_opener) if marker and (at := text.find(marker)) >= 0]
+    ends = [(at, len(marker)) for marker in (closer, call_opener) if marker and (at := text.find(marker)) >= 0]
     if not ends:
         return text.strip(), ""
     at, length = min(ends)
-    kept = length if text.startswith(THINK_CLOSE, at) else 0  # a call's opener stays with the calls
+    kept = length if text.startswith(closer, at) else 0  # a call's opener stays with the calls
     return text[:at].strip(), text[at + kept :]
 
 
