@@ -16,9 +16,9 @@ agent path and Turnstile differ:
                 `--sglang-server-concurrency` semaphore around each sample's custom generate; at its default,
                 512, every sample of the step at once), every sample of a step run to its end before the step
                 returns (a barrier), no partial rollout
-  turn_partial  Turnstile: a generation slot only while a request generates, groups in flight sized by the
-                server's own load (`--in-flight auto`, the default, at most `--over-sampling` x the step's
-                groups where given) or exactly `--over-sampling` x them (`--in-flight fixed`), partial rollout:
+  turn_partial  Turnstile: a generation slot only while a request generates, `--over-sampling` x the step's
+                groups in flight (`--in-flight fixed`, the default) or sized by the server's own load, at most
+                that many (`--in-flight auto`; without `--over-sampling`, what max_inflight holds), partial rollout:
                 the sessions left at a step's end keep running (their agents' requests held over the weight
                 update)
 
@@ -75,9 +75,9 @@ class Agents:
     target_groups: int = 8  # groups a step returns
     n_samples: int = 4
     num_steps: int = 10
-    over_sampling: float | None = None  # turn_partial: groups in flight per group a step returns (the most, with
+    over_sampling: float | None = 5.0  # turn_partial: groups in flight per group a step returns (the most, with
     # in_flight auto; None: what max_inflight holds)
-    in_flight: str = "auto"  # turn_partial: sized by the server's load (auto) or over_sampling x the target (fixed)
+    in_flight: str = "fixed"  # turn_partial: over_sampling x the target (fixed) or sized by the server's load (auto)
     refill: float = 0.0  # turn_partial: more groups a step may start in its tail (EngineConfig.refill)
     scheduling: str = "fifo"  # turn_partial's priority policy (EngineConfig.policy)
     max_staleness: int = 3
@@ -91,7 +91,7 @@ class Agents:
 
 SIZES = {
     "default": Agents(),
-    "small": Agents(target_groups=2, n_samples=2, num_steps=2, over_sampling=3.0,
+    "small": Agents(target_groups=2, n_samples=2, num_steps=2, over_sampling=3.0, in_flight="auto",
                     plan=AgentPlan(max_requests=6, tool_median_s=0.1, tool_max_s=0.5),
                     server=SimConfig(max_running=4, median_tokens=20.0, max_turn_tokens=80)),
 }  # fmt: skip

@@ -169,13 +169,14 @@ class EngineConfig(BaseModel):
     over_sampling: Annotated[
         float | None, Field(ge=1.0), Slime("`--over-sampling-batch-size` / `--rollout-batch-size`", fills=True)
     ] = None
-    """With partial rollout, groups kept in flight per group a step wants: the most (in_flight auto), or exactly
-    (in_flight fixed). None: up to what max_inflight holds (auto), 1 (fixed)."""
-    in_flight: Annotated[Literal["auto", "fixed"], FLAG] = "auto"
-    """With partial rollout, how many groups a step keeps in flight. auto: sized by the servers' own load (SGLang's
-    GET /v1/loads): one more while they have room, fewer when requests queue, the KV cache fills, or too many
-    sessions come back stale; between the step's target and over_sampling x it. fixed: over_sampling x the
-    target, as servers that report no load get too."""
+    """With partial rollout, groups kept in flight per group a step wants: exactly (in_flight fixed), or the most
+    (in_flight auto). None: 1 (fixed), up to what max_inflight holds (auto)."""
+    in_flight: Annotated[Literal["fixed", "auto"], FLAG] = "fixed"
+    """With partial rollout, how many groups a step keeps in flight. fixed: over_sampling x the target. auto
+    (experimental; docs/engine.md has its figures): sized by the servers' own load (SGLang's GET /v1/loads), one
+    more while they have room, fewer when requests queue, the KV cache fills or too many sessions come back stale,
+    between the step's target and over_sampling x it (what max_inflight holds without over_sampling); servers
+    that report no load get fixed."""
     refill: Annotated[float, Field(ge=0)] = 0.0
     """With partial rollout, more groups a step may start, per group it wants, while fewer trajectories are
     live than max_generating (the step's tail); they resume first next step. Raise max_staleness with it."""

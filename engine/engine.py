@@ -8,10 +8,10 @@
 
 Each prompt row becomes a group of `n_samples_per_prompt` trajectories, emitted once every member
 has ended, after an optional filter (dropped groups are counted by reason). With partial rollout a
-step keeps groups in flight beyond its target, sized by the servers' own load (`in_flight` auto,
-engine/scheduler/inflight.py; at most `target * over_sampling`) or exactly `target * over_sampling`
-(`in_flight` fixed); once `target` are done it returns them and pauses the rest, which resume first
-in the next step with their envs and turn state. With `refill`, the step's tail (fewer trajectories
+step keeps `target * over_sampling` groups in flight (`in_flight` fixed), or as many as the servers'
+own load says, at most that (`in_flight` auto, engine/scheduler/inflight.py); once `target` are done
+it returns them and pauses the rest, which resume first in the next step with their envs and turn
+state. With `refill`, the step's tail (fewer trajectories
 live than generation slots) starts up to `target * refill` more.
 """
 

@@ -22,39 +22,44 @@ from tests.fakes import DeterministicBackend
 from tests.test_engine import config, env_factory, rows
 
 ROOM = [ReportedLoad(running=2, waiting=0, max_running=16)]
-QUEUE = [ReportedLoad(running=16, waiting=12, max_running=16)]
+QUEUE = [ReportedLoad(running=16, waiting=20, max_running=16)]  # more than a whole batch waiting
 KV_FULL = [ReportedLoad(running=4, waiting=0, max_running=16, token_usage=0.97)]
-BUSY = [ReportedLoad(running=15, waiting=1, max_running=16)]
+BUSY = [ReportedLoad(running=16, waiting=3, max_running=16)]  # full, a few queued: held
 
 
-def test_the_size_grows_by_one_with_room_shrinks_by_a_fifth_under_pressure_and_stays_within_its_bounds():
-    sizer = InFlightSizer(floor=4, ceiling=7)
+def test_the_size_starts_slow_then_grows_by_one_with_room_shrinks_under_pressure_and_stays_within_bounds():
+    sizer = InFlightSizer(floor=4, ceiling=20)
     assert sizer.goal == 4
-    assert [sizer.observe(ROOM) for _ in range(5)] == [True, True, True, False, False]
-    assert sizer.goal == 7  # the ceiling
-    assert not sizer.observe(BUSY) and sizer.goal == 7  # busy, nothing queued to speak of: held
+    assert sizer.observe(ROOM) and sizer.goal == 5  # 4 x 1.25
+    sizer.observe(ROOM)
+    assert sizer.goal == 7  # 6.25: slow start, until the first decrease
+    assert not sizer.observe(BUSY) and sizer.goal == 7
     sizer.observe(QUEUE)
-    assert sizer.goal == 6  # 7 x 0.8 = 5.6
+    assert sizer.goal == 5  # 6.25 x 0.8
+    assert sizer.observe(ROOM) and sizer.goal == 6  # then one at a time
     sizer.observe(KV_FULL)
-    assert sizer.goal == 5  # 5.6 x 0.8 = 4.48
+    assert sizer.goal == 5  # 6 x 0.8 = 4.8
     for _ in range(10):
         sizer.observe(QUEUE)
     assert sizer.goal == 4  # never under the step's target
-    assert sizer.changes == {"up": 3, "down": 3, "stale": 0}
+    for _ in range(30):
+        sizer.observe(ROOM)
+    assert sizer.goal == 20  # never over the ceiling
+    assert sizer.changes["down"] == 3
     with pytest.raises(ValueError, match="floor <= ceiling"):
         InFlightSizer(floor=5, ceiling=4)
 
 
-def test_a_step_with_too_many_stale_sessions_shrinks_the_size_and_holds_it_until_one_comes_back_under():
+def test_steps_whose_sessions_come_back_stale_shrink_the_size_and_hold_it_until_the_share_falls():
     sizer = InFlightSizer(floor=2, ceiling=10)
-    for _ in range(8):
+    for _ in range(12):
         sizer.observe(ROOM)
     assert sizer.goal == 10
-    sizer.step_ended(stale=2, sessions=16)  # 12.5%
+    sizer.step_ended(stale=4, sessions=16)  # 25%, smoothed: 12.5%
     assert sizer.goal == 8 and sizer.holding and sizer.changes["stale"] == 1
     assert not sizer.observe(ROOM) and sizer.goal == 8  # room, but held
-    sizer.step_ended(stale=0, sessions=16)
-    assert sizer.observe(ROOM) and sizer.goal == 9
+    sizer.step_ended(stale=0, sessions=16)  # 6.25% smoothed: under the hold
+    assert not sizer.holding and sizer.observe(ROOM) and sizer.goal == 9
 
 
 # -- SGLang's GET /v1/loads ---------------------------------------------------------------------------------------
@@ -111,7 +116,7 @@ class ReportingBackend(DeterministicBackend):
 
 async def first_step(backend, encoder, *, target: int = 2, **overrides) -> tuple[RolloutEngine, int]:
     """The engine after one step of `target` groups, and how many groups it admitted in that step."""
-    settings = config(partial_rollout=True, over_sampling=3.0, max_inflight=64, **overrides)
+    settings = config(partial_rollout=True, over_sampling=3.0, max_inflight=64, **{"in_flight": "auto", **overrides})
     engine = RolloutEngine(backend=backend, encoder=encoder, env_factory=env_factory(), source=rows(40, turns=4),
                            config=settings)  # fmt: skip
     async with engine:

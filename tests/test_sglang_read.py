@@ -169,7 +169,7 @@ async def test_sglangs_parsers_in_process_read_every_turn_as_its_servers_do(serv
             continue  # never read in process (above)
         try:
             turn = await read(servers, case["text"], named)
-        except BackendError as exc:
+        except BackendError:
             ours = {"failed": True}
         else:
             calls = [{"name": call.name, "arguments": call.arguments} for call in turn.tool_calls]
