@@ -21,7 +21,7 @@ prefilled again. Placement therefore trades cache reuse against load balance:
 
 Load is what the pool has in flight on each server: prompt tokens (the KV cache those requests hold, which is
 what runs out on a server holding long sessions), then requests, as a tie-break. A server that other clients also
-use can add what it reports (SGLang's `GET /get_load`: `num_tokens`, `num_reqs`) through `ServerLoad.reported_*`;
+use can add what it reports (SGLang 0.5.x's `GET /v1/loads`: requests, tokens in use) through `ServerLoad.reported_*`;
 the larger of the two counts.
 
     placement = AffinityPlacement(num_servers=4)

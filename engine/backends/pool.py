@@ -107,7 +107,8 @@ class BackendPool:
         ]
 
     def note_reported_load(self, index: int, num_requests: int, num_tokens: int) -> None:
-        """What server `index` reports it holds (SGLang's `GET /get_load`), other clients' requests included."""
+        """What server `index` reports it holds (SGLang 0.5.x's `GET /v1/loads`: running and waiting requests,
+        `num_used_tokens`; `reported_loads` reads it), other clients' requests included."""
         self._reported[index] = (num_requests, num_tokens)
 
     def end_session(self, session_id: str) -> None:
