@@ -167,6 +167,10 @@ class ChatEncoder:
         the family is not known) and the tokenizer's EOS."""
         return self._stop_ids
 
+    def call_id(self, name: str, index: int) -> str:
+        """A tool call's id as the model writes it: its family's (`ModelFamily.call_id`), else `call00003`."""
+        return self.family.call_id(name, index) if self.family is not None else f"call{index:05d}"
+
     @property
     def parser(self) -> OutputParser | None:
         """The output parser of this model's turns: its family's, else one read off the template (engine/probe.py:
@@ -184,9 +188,8 @@ class ChatEncoder:
         if self.parser is not None:
             return self.parser
         from engine.parsers.probed import NoCallsParser
-        from engine.probe import reasoning_markers
 
-        return NoCallsParser(self.parser_problem or "no family and no call syntax found", **reasoning_markers(self))
+        return NoCallsParser(self.parser_problem or "no family and no call syntax found", **self._reasoning_markers)
 
     @functools.cached_property
     def _probed(self) -> tuple[OutputParser | None, str | None]:
@@ -219,12 +222,17 @@ class ChatEncoder:
         channels are its parser's), else as the template writes a reasoned reply (engine/probe.py), and `<think>`
         where it writes none."""
         if self.family is None:
-            from engine.probe import reasoning_markers
-
-            markers = reasoning_markers(self)
+            markers = self._reasoning_markers
             if markers["reasoning_open"] and markers["reasoning_close"]:
                 return markers["reasoning_open"], markers["reasoning_close"]
         return "<think>", "</think>"
+
+    @functools.cached_property
+    def _reasoning_markers(self) -> dict[str, str]:
+        """The reasoning block's markers as the template writes a reasoned reply (engine/probe.py)."""
+        from engine.probe import reasoning_markers
+
+        return reasoning_markers(self)
 
     @classmethod
     def for_settings(cls, tokenizer: Any, settings: Any, *, processor: Any = None) -> ChatEncoder:
@@ -314,8 +322,9 @@ class ChatEncoder:
                 family=self.family,
                 force_reasoning=self.force_reasoning,
             )
-        if self.family is None:  # the template's call syntax is read once, by this encoder, for every tool set
+        if self.family is None:  # the template is read once, by this encoder, for every tool set
             encoder.__dict__["_probed"] = self._probed
+            encoder.__dict__["_reasoning_markers"] = self._reasoning_markers
         self._with_tools[key] = encoder  # the newest last
         while len(self._with_tools) > self.max_tool_sets:
             del self._with_tools[next(iter(self._with_tools))]
@@ -431,8 +440,7 @@ class ChatEncoder:
         for message in messages:
             if message.get("role") == "tool" and answered < len(calls):
                 call = calls[answered]
-                number = calls_before + answered
-                call_id = call.id or (self.family.call_id(call.name, number) if self.family else f"call{number:05d}")
+                call_id = call.id or self.call_id(call.name, calls_before + answered)
                 message = {
                     **message,
                     "tool_call_id": message.get("tool_call_id") or call_id,

@@ -11,8 +11,8 @@ has ended, after an optional filter (dropped groups are counted by reason). With
 step keeps `target * over_sampling` groups in flight (`in_flight` fixed), or as many as the servers'
 own load says, at most that (`in_flight` auto, engine/scheduler/inflight.py); once `target` are done
 it returns them and pauses the rest, which resume first in the next step with their envs and turn
-state. With `refill`, the step's tail (fewer trajectories
-live than generation slots) starts up to `target * refill` more.
+state. With `refill`, the step's tail (fewer trajectories live than generation slots) starts up to
+`target * refill` more.
 """
 
 from __future__ import annotations

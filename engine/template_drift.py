@@ -220,8 +220,7 @@ class Scenario:
 
 
 def _call_id(i: int, encoder: ChatEncoder | None) -> str:
-    family = encoder.family if encoder is not None else None
-    return family.call_id("calc_score", i) if family is not None else f"call{i:05d}"
+    return encoder.call_id("calc_score", i) if encoder is not None else f"call{i:05d}"
 
 
 SCENARIOS = (

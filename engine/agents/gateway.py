@@ -339,8 +339,7 @@ class Gateway:
         content, stopped_at = _cut_at_stop(parsed.content, asked.stop if turn.finish_reason == "stop" else ())
         ids = []
         for call in parsed.tool_calls:
-            family, n = encoder.family, chain.session.calls
-            ids.append(call.id or (family.call_id(call.name, n) if family else f"call{n:05d}"))
+            ids.append(call.id or encoder.call_id(call.name, chain.session.calls))
             chain.session.calls += 1
         message = openai_chat.message_of(ParsedTurn(content, parsed.reasoning, parsed.tool_calls), ids)
         cut = turn.finish_reason == "length" or trajectory.stop_reason in (StopReason.LENGTH, StopReason.TOKEN_BUDGET)

@@ -339,10 +339,8 @@ class SGLangBackend:
     async def reported_loads(self) -> list[ReportedLoad] | None:
         """What the server, or each worker of the router, reports it runs (`GET /v1/loads`, SGLang 0.5.x); None
         where a server does not serve it (an older SGLang answers 404). Workers that fail are left out."""
-        loads = await self._each("GET /v1/loads", self._load_of)
-        if any(load is None for load in loads.values()):
-            return None
-        return [load for load in loads.values() if load is not None]
+        loads = list((await self._each("GET /v1/loads", self._load_of)).values())
+        return None if None in loads else loads
 
     @staticmethod
     async def _load_of(server: HTTPServer) -> ReportedLoad | None:

@@ -7,8 +7,8 @@ waiting, the most they run, KV in use), additive increase, multiplicative decrea
 sizes its in-flight cap from KV usage:
 
     sizer = InFlightSizer(floor=target, ceiling=math.ceil(target * over_sampling))
-    sizer.observe(await backend.reported_loads())   # every `interval_s` while a step generates
-    sizer.step_ended(stale_share)                   # the share of the step's sessions that came back stale
+    sizer.observe(await backend.reported_loads())   # every half second while a step generates
+    sizer.step_ended(stale, sessions)               # of the sessions a step returned, how many came back stale
     goal = sizer.goal                               # groups to keep open or done
 
 - **Room** (fewer requests running than `room` of the servers' slots and none waiting): one group more, or, until
