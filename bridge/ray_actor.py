@@ -11,8 +11,10 @@ on threads (`max_concurrency`), so concurrent custom-generate calls interleave o
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from functools import partial
+from types import EllipsisType
 from typing import Any
 
 from bridge.service import RolloutService
@@ -52,17 +54,21 @@ class RayService:
     """RolloutService's blocking methods, each one a call on the actor (`agenerate` gives an ObjectRef,
     awaitable in the caller's asyncio loop).
 
-    Every prompt group handed to `rollout` and not yet returned (or dropped) is kept here too. When the
-    actor dies (its node lost, the process killed), the next call creates it again by name and queues
-    those groups in the new one before going on: their paused trajectories and envs died with the actor
-    and run again from the prompt, but no prompt is lost."""
+    Every prompt group handed to `rollout` (or, for a shard, `queue` and `begin`) and not yet returned (or
+    dropped) is kept here too. When the actor dies (its node lost, the process killed), the next call creates
+    it again by name and queues those groups in the new one before going on (and begins again a shard's step
+    that was running): their paused trajectories and envs died with the actor and run again from the prompt,
+    but no prompt is lost."""
 
-    BLOCKING = frozenset({"num_held", "held_prompts", "wanted", "evaluate", "pause", "resume", "status"})
+    BLOCKING = frozenset({"num_held", "held_prompts", "wanted", "evaluate", "pause", "resume", "status", "progress"})
 
     def __init__(self, actor: Any, settings: BridgeSettings, *, name: str = "", create: Any = None):
         self._actor, self.settings, self.name, self._create = actor, settings, name, create
         # (group_index, index) of its first sample -> (the step that took it, the group)
         self._held: dict[tuple[Any, Any], tuple[int, list[Any]]] = {}
+        self._begun: tuple[int, int] | None = None  # a shard's step begun and not finished: (rollout_id, target)
+        self._restarting = threading.Lock()
+        self._generation = 0  # actors made so far, less one: which one a call went to
         self.restarts = 0
 
     def __getattr__(self, method: str) -> Any:
@@ -72,11 +78,25 @@ class RayService:
 
     def rollout(self, rollout_id: int, target: int, groups: list[list[Any]]) -> Any:
         self._held.update((_key(group), (rollout_id, group)) for group in groups)
-        try:
-            out = self._call("rollout", rollout_id, target, groups, recover=False)
-        except _actor_died() as exc:
-            self._restart(exc)  # queues every held group, these included
-            out = self._call("rollout", rollout_id, target, [])
+        # a new actor has these queued by the restart
+        out = self._call("rollout", rollout_id, target, groups, after_restart=(rollout_id, target, []))
+        for group in [*out.samples, *out.dropped]:
+            self._held.pop(_key(group), None)
+        return out
+
+    # a shard's step (bridge/shards.py); a shard that dies meanwhile begins it again, its held groups queued
+    def queue(self, groups: list[tuple[int, list[Any]]]) -> None:
+        self._held.update((_key(group), (rollout_id, group)) for rollout_id, group in groups)
+        self._call("queue", groups, after_restart=([],))
+
+    def begin(self, rollout_id: int, target: int, groups: list[list[Any]]) -> None:
+        self._held.update((_key(group), (rollout_id, group)) for group in groups)
+        self._begun = (rollout_id, target)
+        self._call("begin", rollout_id, target, groups, after_restart=None)  # the restart begins it
+
+    def finish(self, take: int) -> Any:
+        out = self._call("finish", take)
+        self._begun = None
         for group in [*out.samples, *out.dropped]:
             self._held.pop(_key(group), None)
         return out
@@ -91,41 +111,53 @@ class RayService:
         ray.get(self._actor.shutdown.remote())
         ray.kill(self._actor)
 
-    def _call(self, method: str, *args: Any, recover: bool = True) -> Any:
+    def _call(self, method: str, *args: Any, after_restart: tuple[Any, ...] | EllipsisType | None = ...) -> Any:
+        """`method` on the actor. Where the actor died, it is created again (once, however many calls saw it die)
+        and `method` called on the new one with `after_restart` (default: the same arguments; None: not again)."""
         import ray
 
+        generation = self._generation
         try:
             return ray.get(getattr(self._actor, method).remote(*args))
         except _actor_died() as exc:
-            if not recover:
-                raise
-            self._restart(exc)
-            return ray.get(getattr(self._actor, method).remote(*args))
+            self._restart(exc, generation)
+        if after_restart is None:
+            return None
+        return ray.get(getattr(self._actor, method).remote(*(args if after_restart is ... else after_restart)))
 
-    def _restart(self, exc: BaseException) -> None:
-        """A new actor in place of the dead one, holding every group the dead one held unreturned."""
+    def _restart(self, exc: BaseException, generation: int) -> None:
+        """A new actor in place of the dead one, holding every group the dead one held unreturned, and running
+        the shard's step that was running there; nothing where another call has made it since the actor of
+        `generation` died."""
         import ray
 
         if self._create is None:
             raise exc
-        log.warning(
-            "the rollout service's actor %r died (%s); creating it again and queueing the %d prompt groups it held",
-            self.name, type(exc).__name__, len(self._held),
-        )  # fmt: skip
-        deadline = time.monotonic() + RESTART_TIMEOUT_S
-        while True:  # the dead actor's name is freed shortly after its death
-            try:
-                ray.get_actor(self.name, namespace=NAMESPACE)
-            except ValueError:
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"the dead actor {self.name!r} still holds its name after {RESTART_TIMEOUT_S:g} s"
-                ) from exc
-            time.sleep(0.1)
-        self._actor = self._create()
-        ray.get(self._actor.queue.remote(list(self._held.values())))
-        self.restarts += 1
+        with self._restarting:
+            if generation != self._generation:
+                return
+            log.warning(
+                "the rollout service's actor %r died (%s); creating it again and queueing the %d prompt groups it held",
+                self.name, type(exc).__name__, len(self._held),
+            )  # fmt: skip
+            deadline = time.monotonic() + RESTART_TIMEOUT_S
+            while True:  # the dead actor's name is freed shortly after its death
+                try:
+                    ray.get_actor(self.name, namespace=NAMESPACE)
+                except ValueError:
+                    break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"the dead actor {self.name!r} still holds its name after {RESTART_TIMEOUT_S:g} s"
+                    ) from exc
+                time.sleep(0.1)
+            actor = self._create()
+            ray.get(actor.queue.remote(list(self._held.values())))
+            if self._begun is not None:  # a shard's step was running on the dead one
+                ray.get(actor.begin.remote(*self._begun, []))
+            self._actor = actor
+            self._generation += 1
+            self.restarts += 1
 
 
 def _key(group: list[Any]) -> tuple[Any, Any]:

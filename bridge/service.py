@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable
@@ -39,7 +40,8 @@ from engine.engine import RolloutEngine, StepFailedError
 from engine.envs.loader import EnvFactory
 from engine.envs.ray_workers import hosted
 from engine.metrics.recorder import MetricsRecorder
-from engine.metrics.summary import step_summary
+from engine.metrics.summary import GroupDigest, step_counts, step_summary
+from engine.scheduler.partial import VersionClock
 from engine.source import QueueSource
 from engine.statistics import EngineStatistics
 from engine.trajectory import Group, Trajectory
@@ -53,6 +55,26 @@ class StepOutput:
     metrics: dict[str, Any]
     num_held: int  # groups admitted or queued and not yet returned
     dropped: list[list[Any]] = field(default_factory=list)  # groups the dynamic filter dropped this call
+    part: StepPart | None = None  # a shard's: what the step's summary over all shards reads of this call
+
+
+@dataclass(frozen=True)
+class StepPart:
+    """What a shard's part of a step gives the place that sums the step (bridge/shards.py): its groups' digests,
+    its counts (`step_counts`) and its weight versions."""
+
+    groups: list[GroupDigest]
+    counts: dict[str, Any]
+    clock: VersionClock
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A step's progress on one service: groups done and not yet returned, and whether it still runs (a step runs
+    until the service is told to finish it, or its prompts run out with nothing open)."""
+
+    done: int
+    running: bool
 
 
 @dataclass
@@ -63,6 +85,9 @@ class _Step:
     started: float
     before: EngineStatistics
     groups: list[Group] = field(default_factory=list)
+    ran: anyio.Event = field(default_factory=anyio.Event)  # the engine's run of the current call ended
+    running: bool = False  # a run was started (and `ran` is its end)
+    error: BaseException | None = None  # what that run raised
 
 
 @dataclass(frozen=True)
@@ -103,7 +128,8 @@ PINNING_POLICIES = ("consistent_hashing", "manual")  # sglang-router's policies 
 async def routed_backend(
     url: str, *, router_policy: str | None, routing: str = "auto", image_token_id: int | None = None
 ) -> AsyncIterator[Backend]:
-    """The backend for slime's `--sglang-router-ip/port`: the router itself, or a pool of the workers it lists.
+    """The backend for slime's `--sglang-router-ip/port`: the router itself, or a pool of the workers it lists
+    (several servers given comma-separated are such a pool too).
 
     Turnstile sends each trajectory's key as X-SMG-Routing-Key, but sglang-router pins a key to one worker only
     under consistent_hashing or manual; under its default, cache_aware, a trajectory's turns drift between
@@ -111,9 +137,13 @@ async def routed_backend(
     `routing` "auto", generation then goes to the workers the router lists at start, in a BackendPool whose
     affinity placement keeps a trajectory on its worker (engine/backends/pool.py); control calls go to each
     worker as they do behind the router. Workers the router gains later are not used until the next start."""
-    from engine.backends.pool import BackendPool
     from engine.backends.sglang import SGLangBackend
 
+    named = [u.strip() for u in url.split(",") if u.strip()]
+    if len(named) > 1:
+        async with _worker_pool(named, image_token_id) as pool:
+            yield pool
+        return
     async with SGLangBackend(url, image_token_id=image_token_id) as router:
         policy = router_policy or "cache_aware"  # sglang-router's own default, as slime starts it
         pins = policy in PINNING_POLICIES
@@ -126,9 +156,16 @@ async def routed_backend(
             "generation goes to the %d workers of sglang-router at %s directly, each trajectory kept on one (%s)",
             len(urls), url, why,
         )  # fmt: skip
-        workers = [SGLangBackend(u, image_token_id=image_token_id) for u in urls]
-        async with BackendPool(workers, policy="affinity") as pool:
+        async with _worker_pool(urls, image_token_id) as pool:
             yield pool
+
+
+def _worker_pool(urls: list[str], image_token_id: int | None) -> AbstractAsyncContextManager[Backend]:
+    """SGLang servers in a BackendPool that keeps each trajectory on one (affinity)."""
+    from engine.backends.pool import BackendPool
+    from engine.backends.sglang import SGLangBackend
+
+    return BackendPool([SGLangBackend(u, image_token_id=image_token_id) for u in urls], policy="affinity")
 
 
 class RolloutService:
@@ -171,9 +208,10 @@ class RolloutService:
             hosting = hosted(envs, env_workers=s.env_workers, capacity=s.env_worker_capacity, ray_address=s.ray_address)
             with closing(hosting) as self.env_factory:  # env workers, when the envs run in them, end with the engine
                 self.engine = self._engine(s.engine_config(self.encoder.stop_token_ids), self.scoring, self._source)
-                async with self.engine:
+                async with self.engine, anyio.create_task_group() as self._tasks:
                     task_status.started()
                     await self._stop.wait()
+                    self._tasks.cancel_scope.cancel()
 
     def _engine(self, config: EngineConfig, scoring: SlimeScoring, source: Any) -> RolloutEngine:
         """An engine on this service's backend and envs, scored and filtered by slime's rules."""
@@ -253,24 +291,80 @@ class RolloutService:
     async def _rollout(self, rollout_id: int, target: int, groups: list[list[Any]]) -> StepOutput:
         """One call of a step; a step may take several (dropped groups are replaced by new prompts), and
         its metrics cover every call of the same `rollout_id` so far."""
+        step = await self._begin(rollout_id, target, groups, open_ended=False)
+        await step.ran.wait()
+        return await self._finish(target, part=False)
+
+    # A shard's step (bridge/shards.py): begun, watched, and finished by the place that decides for all shards.
+    def begin(self, rollout_id: int, target: int, groups: list[list[Any]]) -> None:
+        """Queue `groups` and run a step whose in-flight work is sized for `target` groups, until `finish`."""
+        self._portal.call(self._begin, rollout_id, target, groups, True)
+
+    def progress(self, seen: int, timeout_s: float) -> Progress:
+        """The step's progress, once more than `seen` groups are done, the step has stopped running, or
+        `timeout_s` has passed."""
+        return self._portal.call(self._progress, seen, timeout_s)
+
+    def finish(self, take: int) -> StepOutput:
+        """End the step begun: `take` of its groups done (oldest first), as slime Samples, with its part of the
+        step's summary; the other groups stay held for the next step."""
+        return self._portal.call(self._finish, take, True)
+
+    async def _begin(self, rollout_id: int, target: int, groups: list[list[Any]], open_ended: bool) -> _Step:
         if self._step is None or self._step.rollout_id != rollout_id:
             self._step = _Step(rollout_id, time.monotonic(), self.engine.statistics())
+        step = self._step
         await self._queue([(rollout_id, group) for group in groups])
+        if not step.ran.is_set() and step.running:  # begun already (by a restart, before this call): it runs
+            return step
+        step.ran, step.error, step.running = anyio.Event(), None, True
         self.scoring.rollout_id = rollout_id
         if self.settings.weights_dir is not None:
             await self._load_new_weights(Path(self.settings.weights_dir))
+        self._tasks.start_soon(self._run_step, step, target, open_ended)
+        return step
+
+    async def _run_step(self, step: _Step, target: int, open_ended: bool) -> None:
         try:
-            finished = await self.engine.rollout(target)
+            await self.engine.run_step(target, open_ended=open_ended)
+        except Exception as exc:  # noqa: BLE001 -- raised where the step is finished, to its caller
+            step.error = exc
+        finally:
+            step.ran.set()
+
+    async def _progress(self, seen: int, timeout_s: float) -> Progress:
+        step = self._step
+        with anyio.move_on_after(timeout_s):
+            while step is not None and self.engine.num_done <= seen and not step.ran.is_set():
+                await self.engine.changed()
+        return Progress(self.engine.num_done, step is not None and not step.ran.is_set())
+
+    async def _finish(self, take: int, part: bool) -> StepOutput:
+        step = self._step
+        if step is None:
+            raise RuntimeError("no step was begun on this service")
+        self.engine.stop_step()
+        await step.ran.wait()
+        if step.error is not None:
+            raise step.error
+        try:
+            finished = await self.engine.end_step(take, started=step.started, before=step.before, check=not part)
         except StepFailedError as exc:  # nothing of it goes to training; the message says why
             raise StepFailedError(str(exc), []) from None
-        self._step.groups += finished
         samples = [await self.scoring.samples_of(g) for g in finished]
         dropped = [await self.scoring.samples_of(g) for g in self.engine.take_dropped()]
+        held = await self._num_held()
+        if part:  # a shard's: the step is summed over shards, each call's on its own
+            counts = step_counts(self.engine.statistics(), step.before)
+            self._step = None
+            digests = [GroupDigest.of(g) for g in finished]
+            return StepOutput(samples, {}, held, dropped, StepPart(digests, counts, self.engine.scheduler.clock))
+        step.groups += finished
         metrics = step_summary(
-            self._step.groups, rollout_time=time.monotonic() - self._step.started, clock=self.engine.scheduler.clock,
-            after=self.engine.statistics(), before=self._step.before, num_gpus=self.settings.num_gpus,
+            step.groups, rollout_time=time.monotonic() - step.started, clock=self.engine.scheduler.clock,
+            after=self.engine.statistics(), before=step.before, num_gpus=self.settings.num_gpus,
         )  # fmt: skip
-        return StepOutput(samples, metrics, await self._num_held(), dropped)
+        return StepOutput(samples, metrics, held, dropped)
 
     def agenerate(self, sample: Any, sampling_params: dict[str, Any]) -> Awaitable[Any]:
         """One trajectory for one slime Sample (slime's custom generate function), awaitable in the
@@ -385,6 +479,8 @@ class RolloutService:
             "trajectories_inflight": stats.num_trajectories_inflight,
             "phases": {str(k): v for k, v in stats.scheduler.phases.items()},
             "metrics_url": self.engine.exporter.url if self.engine.exporter is not None else None,
+            "pid": os.getpid(),
+            "cpu_seconds": time.process_time(),  # this process's, every thread's
         }
 
     def shutdown(self) -> None:

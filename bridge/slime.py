@@ -144,7 +144,8 @@ def _embedded_source() -> EmbeddedSource:
 
 
 def service_for(args: Any, *, group_size: int | None) -> RolloutService:
-    """The service for these args: held on `args`, in a Ray actor, or the embedded default."""
+    """The service for these args: held on `args`, in a Ray actor, on shards in Ray actors, or the embedded
+    default."""
     if args is None:
         n = group_size or 1
         if n not in _EMBEDDED:
@@ -154,7 +155,11 @@ def service_for(args: Any, *, group_size: int | None) -> RolloutService:
     if service is None:
         check_args(args)
         settings = settings_from_args(args)
-        if settings.ray_actor:
+        if settings.shards > 1:
+            from bridge.shards import ray_shards
+
+            service = ray_shards(settings, args)
+        elif settings.ray_actor:
             from bridge.ray_actor import attach_or_create
 
             service = attach_or_create(settings.ray_actor, settings, args)

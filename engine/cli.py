@@ -129,6 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--config", help="a YAML as slime's --custom-config-path takes (its `turnstile:` section)")
     serve.add_argument("--detach", action="store_true", help="leave the actor running and return")
+    serve.add_argument(
+        "--shards", type=int, help="run the rollout on this many shards, each a Ray actor <name>-shard-<i> "
+        "(default: the YAML's shards, else 1)",
+    )  # fmt: skip
     check = commands.add_parser(
         "check-template", help="say whether delta encoding is exact for a chat template (exit 0), or where it drifts"
     )
@@ -164,6 +168,8 @@ def _serve(args: argparse.Namespace) -> int:
             raise ValueError(f"{args.config}: expected a mapping, got {type(values).__name__}")
         slime_args = SimpleNamespace(**values)
         settings = settings_from_args(slime_args)
+        if args.shards is not None:
+            settings = settings.model_validate({**settings.model_dump(), "shards": args.shards})
     except (ValueError, OSError) as exc:  # one error naming the file, the key or the value
         print(f"turnstile: {_describe(exc)}", file=sys.stderr)
         return 2
@@ -180,7 +186,13 @@ def _serve(args: argparse.Namespace) -> int:
             message = "serve --detach needs a running Ray cluster; start one with `ray start --head`"
             print(f"turnstile: {message}", file=sys.stderr)
             return 2
-    service = attach_or_create(name, settings, slime_args)
+    if settings.shards > 1:
+        from bridge.shards import ray_shards
+
+        service = ray_shards(settings.model_copy(update={"ray_actor": name}), slime_args)
+        name = f"{name}-shard-0 .. {settings.shards - 1}"
+    else:
+        service = attach_or_create(name, settings, slime_args)
     print(f"turnstile: service {name!r} is up: {json.dumps(service.status())}", file=sys.stderr)
     if args.detach:
         return 0

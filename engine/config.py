@@ -216,6 +216,9 @@ class EngineConfig(BaseModel):
     """A folder Prometheus reads with file_sd_configs: while /metrics is served, it holds a target file naming
     this process's host:port (its node's address where metrics_host is 0.0.0.0), so Prometheus finds it on
     whichever node it runs (deploy/prometheus.yml)."""
+    metrics_labels: dict[Annotated[str, Field(pattern=r"^[a-zA-Z_][a-zA-Z0-9_]*$")], str] = {}
+    """Labels that target file gives every series Prometheus scrapes from this process (each rollout shard's
+    carries shard: its index)."""
 
     # -- agent envs (engine/agents/env.py) -----------------------------------------------------------
     agent_host: str = "127.0.0.1"
@@ -385,6 +388,11 @@ class Settings(EngineConfig):
     """Rollout GPUs, dividing the per-GPU throughput metrics (none or 0: no per-GPU metrics)."""
     ray_actor: Annotated[str | None, Only("slime")] = None
     """Host the engine in this named, detached Ray actor (none: in slime's rollout process)."""
+    shards: Annotated[PositiveInt, Only("slime")] = 1
+    """Rollout shards: engines in Ray actors of their own (`<ray_actor>-shard-<i>`, default names
+    turnstile-rollout-shard-<i>), each with its share of the groups, its envs and agent sessions, over the same
+    servers, while slime's rollout process decides for all (bridge/shards.py); 1: one engine, as ray_actor says.
+    Each shard's metrics_port and agent_port, where fixed, are the given one plus its index."""
     router_policy: Annotated[str | None, Slime("`--router-policy`"), Only("slime")] = None
     """The policy slime starts sglang-router with (none: the router's default, cache_aware)."""
     weights_dir: Annotated[str | None, Slime("`--update-weight-disk-dir`"), Only("slime")] = None
@@ -396,6 +404,18 @@ class Settings(EngineConfig):
     trajectory's turns to one worker by the routing key Turnstile sends (consistent_hashing, manual), else to
     the workers the router lists at start, placed by Turnstile's affinity (a trajectory stays on the worker
     holding its prefix); router, workers: always that way."""
+
+    def for_shard(self, index: int) -> Self:
+        """Shard `index`'s settings: its ports, where fixed, offset by its index (shards may share a node), and
+        its `shard` label on every series."""
+        offset = lambda port: port + index if port else port  # noqa: E731 -- 0 and none stay as they are
+        return self.model_copy(
+            update={
+                "metrics_port": offset(self.metrics_port),
+                "agent_port": offset(self.agent_port),
+                "metrics_labels": {**self.metrics_labels, "shard": str(index)},
+            }
+        )
 
     @model_validator(mode="before")
     @classmethod

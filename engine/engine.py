@@ -49,7 +49,7 @@ from engine.gc_freeze import freeze_long_lived
 from engine.hosting import EnvHost, HostedEnv
 from engine.metrics.events import Observer
 from engine.metrics.recorder import MetricsRecorder
-from engine.metrics.summary import step_summary
+from engine.metrics.summary import GroupDigest, step_summary
 from engine.scheduler.inflight import InFlightSizer
 from engine.scheduler.partial import mask_offpolicy
 from engine.scheduler.retry import CircuitBreaker, RetryBudget
@@ -89,20 +89,22 @@ class StepFailedError(RuntimeError):
         self.groups = groups
 
     @classmethod
-    def check(cls, groups: list[Group], bound: float) -> None:
-        trajectories = [t for g in groups for t in g.trajectories]
+    def check(cls, groups: Sequence[Group | GroupDigest], bound: float) -> None:
+        """Raise where more than `bound` of the groups' trajectories FAILED (the groups of a step, or their
+        digests summed over shards)."""
+        trajectories = [t for g in groups for t in GroupDigest.of(g).trajectories]
         failed = [t for t in trajectories if t.status is Status.FAILED]
         if not trajectories or len(failed) <= bound * len(trajectories):
             return
-        last_errors = [t.errors[-1] for t in failed if t.errors]
-        classes = Counter(str(e.error_class) for e in last_errors).most_common(3)
-        example = {str(e.error_class): e.message for e in reversed(last_errors)}
+        last_errors = [t.last_error for t in failed if t.last_error is not None]
+        classes = Counter(error_class for error_class, _ in last_errors).most_common(3)
+        example = dict(reversed(last_errors))
         top = "; ".join(f"{cls_} x{n} (e.g. {example[cls_]!r})" for cls_, n in classes)
         raise cls(
             f"{len(failed)} of {len(trajectories)} trajectories of the step FAILED "
             f"({len(failed) / len(trajectories):.0%}, more than max_failed_share {bound:.0%}); "
             f"top error classes: {top or 'none recorded'}",
-            groups,
+            [g for g in groups if isinstance(g, Group)],
         )
 
 
@@ -174,6 +176,7 @@ class RolloutEngine:
         self._counts: Counter[str] = Counter()
         self._num_inflight = 0
         self._exhausted = False
+        self._stopped = False  # stop_step was called: the open-ended step ends
         self._changed = Broadcast()  # a trajectory ended, or a group finished
         self._group_ids = itertools.count()  # one space for the engine's groups and `run_one`'s trajectories
         self.sizer: InFlightSizer | None = None  # in_flight auto: groups in flight sized by the servers' load
@@ -201,6 +204,7 @@ class RolloutEngine:
                     host=self.config.metrics_host,
                     port=self.config.metrics_port,
                     sd_dir=self.config.metrics_sd_dir,
+                    labels=self.config.metrics_labels,
                 )
                 self.exporter.start()
                 self._stack.callback(self.exporter.stop)
@@ -222,10 +226,16 @@ class RolloutEngine:
         """One step's worth: `target_groups` finished groups (fewer only if the source runs dry; the
         source is asked again on the next call)."""
         started, before = time.monotonic(), self.statistics()
+        await self.run_step(target_groups)
+        return await self.end_step(target_groups, started=started, before=before)
+
+    async def run_step(self, target_groups: int, *, open_ended: bool = False) -> None:
+        """Admit and run a step of `target_groups`: until that many groups are done, or, `open_ended`, until
+        `stop_step` (a shard's step, which the place deciding for all shards ends); either way no longer than
+        the source has rows or groups are open. `end_step` then takes the step's groups."""
         self._exhausted = False  # a fed source may have rows again
         if self.scheduler.is_paused:
             await self.resume()
-        partial = self.config.partial_rollout
         fixed, refilled = self.config.step_groups(target_groups)
         tail = refilled - fixed  # more groups the step's tail may start (refill)
         sizer = self._sizer_for(target_groups)
@@ -235,7 +245,7 @@ class RolloutEngine:
         if sizer is not None:
             self._tasks.start_soon(self._size_by_load, sizer, sizing)
         try:
-            while len(self._done) < target_groups:
+            while not self._stopped and (open_ended or len(self._done) < target_groups):
                 goal = fixed if self.sizer is None else self.sizer.goal
                 self._admit(goal)
                 if tail > 0:  # the step's tail: start more groups while the servers could take more
@@ -245,13 +255,25 @@ class RolloutEngine:
                 await self._wait_for_change()
         finally:
             sizing.cancel()
-        self._wanted = 0
-        groups = [self._done.popleft() for _ in range(min(target_groups, len(self._done)))]
+            self._changed.notify()  # whoever waits on this step's progress sees it end
+
+    def stop_step(self) -> None:
+        """End an open-ended `run_step` (it returns at once)."""
+        self._stopped = True
+        self._changed.notify()
+
+    async def end_step(self, take: int, *, started: float, before: EngineStatistics, check: bool = True) -> list[Group]:
+        """The step's groups: `take` of those done (fewer where fewer are), oldest first; the rest stay held for
+        the next step. Generation pauses where partial rollout keeps groups open; the observers and the summary
+        see the step. `check`: raise StepFailedError where too many of these trajectories FAILED (a shard's part
+        is checked where the step is summed, over all shards)."""
+        self._wanted, self._stopped = 0, False
+        groups = [self._done.popleft() for _ in range(min(take, len(self._done)))]
         self._counts["returned"] += len(groups)
         if self.sizer is not None:
             sessions = [t for group in groups for t in group.trajectories]
             self.sizer.step_ended(sum(t.stop_reason is StopReason.STALE for t in sessions), len(sessions))
-        if partial and self._open:
+        if self.config.partial_rollout and self._open:
             await self.scheduler.pause_generation()
         seconds = time.monotonic() - started
         for observer in self.observers:
@@ -259,8 +281,18 @@ class RolloutEngine:
         self.last_step_summary = step_summary(
             groups, rollout_time=seconds, clock=self.scheduler.clock, after=self.statistics(), before=before
         )
-        StepFailedError.check(groups, self.config.max_failed_share)
+        if check:
+            StepFailedError.check(groups, self.config.max_failed_share)
         return groups
+
+    @property
+    def num_done(self) -> int:
+        """Groups finished and not yet returned."""
+        return len(self._done)
+
+    async def changed(self, timeout: float | None = None) -> None:
+        """Until a trajectory ends, a group finishes or a step ends (or `timeout` seconds pass)."""
+        await self._changed.wait(timeout)
 
     def _sizer_for(self, target: int) -> InFlightSizer | None:
         """The sizer of a step of `target` groups (in_flight auto, with partial rollout, where the servers report

@@ -239,7 +239,8 @@ async def test_prometheus_scrapes_a_finished_run_and_loads_the_alerts(tokenizer,
 @pytest.mark.slow
 @pytest.mark.anyio
 async def test_prometheus_finds_an_engine_by_the_target_file_it_writes_while_it_serves(tokenizer, tmp_path):
-    """metrics_sd_dir, read by the shipped config's file_sd_configs: no address is written into the config."""
+    """metrics_sd_dir, read by the shipped config's file_sd_configs: no address is written into the config; the
+    labels it is given (a rollout shard's `shard`) are on every series scraped."""
     binary = prometheus_binary()
     targets = tmp_path / "targets"  # as deploy/targets beside deploy/prometheus.yml
     config_path = prometheus_config(None, tmp_path / "prometheus.yml")
@@ -248,7 +249,7 @@ async def test_prometheus_finds_an_engine_by_the_target_file_it_writes_while_it_
         encoder=ChatEncoder(tokenizer),
         env_factory=env_factory(),
         source=rows(2),
-        config=config(metrics_port=0, metrics_sd_dir=str(targets)),
+        config=config(metrics_port=0, metrics_sd_dir=str(targets), metrics_labels={"shard": "3"}),
     ) as engine:
         groups = await engine.rollout(2)
         counter = ScrapeCounter()
@@ -263,6 +264,8 @@ async def test_prometheus_finds_an_engine_by_the_target_file_it_writes_while_it_
             assert up["metric"]["node"] and up["metric"]["pid"]  # the labels the target file gives
             finished = await prometheus.value('sum(turnstile_trajectories_finished_total{job="turnstile"})')
             assert finished == sum(len(g.trajectories) for g in groups)
+            series = await prometheus.query('{job="turnstile", __name__=~"turnstile_.*"}')
+            assert series and {s["metric"].get("shard") for s in series} == {"3"}
     assert list(targets.iterdir()) == []  # gone with the exporter
 
 

@@ -17,7 +17,7 @@ import os
 import socket
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -248,7 +248,8 @@ class EngineCollector(Collector):
 class MetricsExporter:
     """Serves one engine's /metrics over HTTP from a background thread. With `sd_dir`, a Prometheus
     file_sd target file there names where, while it serves: `turnstile-<host>-<port>.json`, holding
-    `[{"targets": ["<host>:<port>"], "labels": {"pid": ..., "node": ...}}]` (written whole, then renamed)."""
+    `[{"targets": ["<host>:<port>"], "labels": {"pid": ..., "node": ..., **labels}}]` (written whole, then
+    renamed)."""
 
     def __init__(
         self,
@@ -258,10 +259,11 @@ class MetricsExporter:
         host: str = "127.0.0.1",
         port: int = 0,
         sd_dir: str | None = None,
+        labels: Mapping[str, str] | None = None,
     ):
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(EngineCollector(engine, recorder))
-        self.host, self.port, self.sd_dir = host, port, sd_dir
+        self.host, self.port, self.sd_dir, self.labels = host, port, sd_dir, dict(labels or {})
         self._server = None
         self._thread: threading.Thread | None = None
         self.target_file: Path | None = None
@@ -271,7 +273,7 @@ class MetricsExporter:
         self.port = self._server.server_port
         log.info("serving /metrics at %s (pid %d on %s)", self.url, os.getpid(), socket.gethostname())
         if self.sd_dir is not None:
-            self.target_file = _write_target(Path(self.sd_dir), reachable_host(self.host), self.port)
+            self.target_file = _write_target(Path(self.sd_dir), reachable_host(self.host), self.port, self.labels)
         return self.url
 
     @property
@@ -302,11 +304,12 @@ def reachable_host(host: str) -> str:
         return socket.gethostname()
 
 
-def _write_target(folder: Path, host: str, port: int) -> Path:
-    """A Prometheus file_sd target file for `host:port` in `folder` (made if missing); its path."""
+def _write_target(folder: Path, host: str, port: int, labels: Mapping[str, str]) -> Path:
+    """A Prometheus file_sd target file for `host:port` in `folder` (made if missing), its series labelled with
+    `labels`, the process's pid and its node; its path."""
     folder.mkdir(parents=True, exist_ok=True)
     target = folder / f"turnstile-{host}-{port}.json"
-    labels = {"pid": str(os.getpid()), "node": socket.gethostname()}
+    labels = {**labels, "pid": str(os.getpid()), "node": socket.gethostname()}
     partial = target.with_suffix(".json.tmp")
     partial.write_text(json.dumps([{"targets": [f"{host}:{port}"], "labels": labels}]) + "\n")
     partial.replace(target)  # Prometheus never reads half a file
