@@ -11,7 +11,8 @@ what every other case is compared with. Faults come from engine.envs.faults (env
 the simulated server's own fault injection (5xx, malformed replies), and this module (processes killed:
 env processes, the server, one of two workers behind sglang-router or in a BackendPool, the rollout
 service's Ray actor). Processes are killed mid-step: when the run has made a share (30% to 60%) of the
-generate calls the `none` case made in all; the Ray actor is killed between steps 1 and 2.
+generate calls the `none` case made in all; the Ray actor is killed between steps 1 and 2, a rollout shard once
+step 2 has begun on it.
 
 The agent cases run agent programs instead of the workload's envs: agent envs (engine/agents/env.py) whose
 agents (the `openai` SDK, 1 to 6 requests each, in a process of their own: benchmarks/agent_farm.py) talk to
@@ -161,6 +162,7 @@ class Case:
     topology: str = "single"  # single | router (two servers behind sglang-router) | pool (two in a BackendPool)
     kill_worker: bool = False  # the second of two servers SIGKILLed mid-step, for good
     ray: bool = False  # the rollout service in a Ray actor, killed and created again between steps
+    shards: int = 0  # with ray: the rollout on this many shards (bridge/shards.py), one killed mid-step
     agents: AgentFaults | None = None  # agent programs through the gateway instead of the workload's envs
 
 
@@ -230,6 +232,13 @@ CASES = (
         "ray_actor_restart",
         "the rollout service's Ray actor killed between steps 1 and 2, then created again",
         ray=True,
+    ),
+    Case(
+        "ray_shard_killed",
+        "the rollout on two shards (Ray actors); the one holding most groups killed once step 2 has begun on it, "
+        "then created again",
+        ray=True,
+        shards=2,
     ),
     Case(
         "agents_none",

@@ -1,6 +1,9 @@
-"""The fault suite's Ray case: the rollout service (bridge/service.py) in a named Ray actor (bridge/ray_actor.py),
+"""The fault suite's Ray cases: the rollout service (bridge/service.py) in a named Ray actor (bridge/ray_actor.py),
 driven step by step as slime's generate_rollout drives it through one handle (as slime keeps it on its args),
-and killed between steps FAULT_STEP and FAULT_STEP + 1; the handle's next call creates it again by name.
+and killed between steps FAULT_STEP and FAULT_STEP + 1; the handle's next call creates it again by name. With
+`case.shards`, the rollout runs on that many such actors behind one ShardedService (bridge/shards.py), and the shard
+holding the most groups is killed once step FAULT_STEP + 1 has begun on it: the step goes on, and the shard's handle
+creates it again, queues what it held and begins the step there again.
 
 The actor holds every prompt it was given and has not returned (paused trajectories with their envs, groups
 done and waiting, prompts queued) in its memory; the caller's handle (bridge/ray_actor.py's RayService) keeps
@@ -107,6 +110,8 @@ def _run(suite: Suite, case: Case) -> CaseRun:
             runtime_env={"env_vars": {"PYTHONPATH": path}},
         )  # fmt: skip
     name = f"turnstile-faults-{os.getpid()}"
+    if case.shards:
+        settings = settings.model_copy(update={"shards": case.shards, "ray_actor": name})
     run.notes.append(
         "this case runs the rollout service in a Ray actor (the bridge's path), the others an engine in process: "
         "against `none`, its throughput and step times include Ray's calls and the new actor's start (restart_s)"
@@ -114,19 +119,34 @@ def _run(suite: Suite, case: Case) -> CaseRun:
     source = DataSource(suite)
     service = None
     try:
-        service = attach_or_create(name, settings, env_args)
+        if case.shards:
+            from bridge.shards import ray_shards
+
+            service = ray_shards(settings, env_args)
+        else:
+            service = attach_or_create(name, settings, env_args)
         started = time.monotonic()
         for step in range(size.num_steps):
             groups = source.get_samples(service.wanted(size.target_groups))
+            if case.shards and step == FAULT_STEP + 1:
+                killing = _kill_a_shard_once_begun(ray, service)
             begun = time.monotonic()
             out = service.rollout(step, size.target_groups, groups)
             run.step_seconds.append(time.monotonic() - begun)
             run.returned.append([outcome_of_sample(s) for group in out.samples for s in group])
             run.returned_prompts += [int(group[0].group_index) for group in out.samples]
+            if case.shards and step == FAULT_STEP + 1:
+                now_held = set(service.held_prompts()) | set(run.returned_prompts)
+                run.lost_at_restart = [int(i) for i in killing["held"] if i is not None and i not in now_held]
+                run.actions.append({
+                    "action": "kill the rollout shard holding most groups once the step has begun on it",
+                    "during_step": step, "held_when_killed": len(killing["held"]),
+                    "restarts": killing["victim"].restarts,
+                })  # fmt: skip
             service.pause()
             version = f"v{step + 1}"
             anyio.from_thread.run(suite.servers.update_weights, server, version)
-            if step == FAULT_STEP:
+            if step == FAULT_STEP and not case.shards:
                 held = service.held_prompts()
                 killed = time.monotonic()
                 ray.kill(service._actor, no_restart=True)
@@ -158,6 +178,23 @@ def _run(suite: Suite, case: Case) -> CaseRun:
         if started_ray:
             ray.shutdown()
     return run
+
+
+def _kill_a_shard_once_begun(ray: Any, service: Any) -> dict[str, Any]:
+    """Arm the kill: the shard holding the most groups dies right after the next step begins on it. What it held
+    then, and the shard, are in the returned dict once it has."""
+    victim = max(service.shards, key=lambda shard: shard.num_held())
+    killing: dict[str, Any] = {"victim": victim, "held": []}
+    begin = victim.begin
+
+    def begin_then_die(*args: Any) -> None:
+        begin(*args)
+        killing["held"] = victim.held_prompts()
+        ray.kill(victim._actor, no_restart=True)
+        victim.begin = begin  # once
+
+    victim.begin = begin_then_die
+    return killing
 
 
 def _wait_gone(ray: Any, name: str, namespace: str) -> None:

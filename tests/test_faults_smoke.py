@@ -43,6 +43,14 @@ def ray_suite(tmp_path_factory):
     return entry_of(json.loads((out / "report.json").read_text()), "ray_actor_restart")
 
 
+@pytest.fixture(scope="module")
+def shard_suite(tmp_path_factory):
+    pytest.importorskip("ray", reason="Ray is part of the dev extra; install it with `pip install -e .[dev]`")
+    out = tmp_path_factory.mktemp("faults-shards")
+    assert main(["--out", str(out), "--size", SIZE, "--faults", "ray_shard_killed"]) == 0
+    return entry_of(json.loads((out / "report.json").read_text()), "ray_shard_killed")
+
+
 def entry_of(report: dict, name: str) -> dict:
     """A case's entry; a case that cannot run here (no sglang-router, no Ray) skips, saying why."""
     entry = report["faults"][name]
@@ -231,3 +239,18 @@ def test_a_ray_actor_restart_loses_no_prompt(ray_suite):
         pytest.skip("the actor held nothing when it was killed: nothing to lose")
     assert kill["restarts"] == 1
     assert ray_suite["prompts"]["lost"] == 0 and ray_suite["prompts"]["lost_at_actor_restart"] == 0
+
+
+@pytest.mark.slow
+def test_a_shard_killed_mid_step_loses_no_prompt(shard_suite):
+    entry = shard_suite
+    prompts = entry["prompts"]
+    assert entry["engine_failure"] is None, entry["engine_failure"]
+    [kill] = entry["actions"]
+    assert kill["action"].startswith("kill the rollout shard") and kill["restarts"] == 1
+    assert kill["held_when_killed"] > 0  # it died holding groups
+    assert prompts["lost"] == 0 and prompts["lost_at_actor_restart"] == 0
+    assert prompts["taken"] == prompts["returned"] + prompts["held"]
+    assert prompts["returned_twice"] == 0
+    assert entry["steps"]["completed"] == SIZES[SIZE].num_steps
+
