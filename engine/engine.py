@@ -239,6 +239,8 @@ class RolloutEngine:
         fixed, refilled = self.config.step_groups(target_groups)
         tail = refilled - fixed  # more groups the step's tail may start (refill)
         sizer = self._sizer_for(target_groups)
+        if sizer is not None:
+            sizer.step_began()
         self._wanted = target_groups
         self._step_drops = 0
         sizing = anyio.CancelScope()  # the sizer reads the servers' load while this step runs
@@ -271,8 +273,7 @@ class RolloutEngine:
         groups = [self._done.popleft() for _ in range(min(take, len(self._done)))]
         self._counts["returned"] += len(groups)
         if self.sizer is not None:
-            sessions = [t for group in groups for t in group.trajectories]
-            self.sizer.step_ended(sum(t.stop_reason is StopReason.STALE for t in sessions), len(sessions))
+            self._size_by_staleness(self.sizer, [t for group in groups for t in group.trajectories])
         if self.config.partial_rollout and self._open:
             await self.scheduler.pause_generation()
         seconds = time.monotonic() - started
@@ -284,6 +285,19 @@ class RolloutEngine:
         if check:
             StepFailedError.check(groups, self.config.max_failed_share)
         return groups
+
+    def _size_by_staleness(self, sizer: InFlightSizer, returned: list[Trajectory]) -> None:
+        """The step's end to the sizer: how many of its sessions came back stale, and, of those still running, how
+        many are as old as the staleness bound allows (stale at their next turn after the update) or a version
+        younger (stale unless they end within the next step; read where the bound is 2 or more)."""
+        bound, clock = self.config.max_staleness, self.scheduler.clock
+        ages = Counter(
+            clock.staleness(t) for group in self._open.values() for t in group.trajectories if not t.is_ended
+        )
+        sizer.step_ended(
+            sum(t.stop_reason is StopReason.STALE for t in returned), len(returned),
+            doomed=sum(n for age, n in ages.items() if age >= bound), at_risk=ages[bound - 1] if bound >= 2 else 0,
+        )  # fmt: skip
 
     @property
     def num_done(self) -> int:

@@ -253,4 +253,3 @@ def test_a_shard_killed_mid_step_loses_no_prompt(shard_suite):
     assert prompts["taken"] == prompts["returned"] + prompts["held"]
     assert prompts["returned_twice"] == 0
     assert entry["steps"]["completed"] == SIZES[SIZE].num_steps
-

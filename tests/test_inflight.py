@@ -27,39 +27,52 @@ KV_FULL = [ReportedLoad(running=4, waiting=0, max_running=16, token_usage=0.97)]
 BUSY = [ReportedLoad(running=16, waiting=3, max_running=16)]  # full, a few queued: held
 
 
-def test_the_size_starts_slow_then_grows_by_one_with_room_shrinks_under_pressure_and_stays_within_bounds():
+def test_the_size_starts_slow_grows_within_each_steps_cap_shrinks_under_pressure_and_stays_within_bounds():
     sizer = InFlightSizer(floor=4, ceiling=20)
-    assert sizer.goal == 4
-    assert sizer.observe(ROOM) and sizer.goal == 5  # 4 x 1.25
+    assert sizer.goal == 4 and sizer.cap == 8  # slow start: a step may double it
+    assert sizer.observe(ROOM) and sizer.goal == 5  # 4 x 1.25 a reading
     sizer.observe(ROOM)
-    assert sizer.goal == 7  # 6.25: slow start, until the first decrease
-    assert not sizer.observe(BUSY) and sizer.goal == 7
+    assert sizer.goal == 7  # 6.25
+    sizer.observe(ROOM)
+    sizer.observe(ROOM)
+    assert sizer.goal == 8 and not sizer.observe(ROOM)  # the step's most
+    assert not sizer.observe(BUSY) and sizer.goal == 8
     sizer.observe(QUEUE)
-    assert sizer.goal == 5  # 6.25 x 0.8
-    assert sizer.observe(ROOM) and sizer.goal == 6  # then one at a time
+    assert sizer.goal == 7  # 8 x 0.8 = 6.4, at once
+    sizer.step_began()  # no longer starting: a step may grow it by a tenth, one group at least
+    assert sizer.cap == 6.4 + 1
+    assert sizer.observe(ROOM) and sizer.goal == 8 and not sizer.observe(ROOM)
     sizer.observe(KV_FULL)
-    assert sizer.goal == 5  # 6 x 0.8 = 4.8
+    assert sizer.goal == 6  # 7.4 x 0.8 = 5.92
     for _ in range(10):
         sizer.observe(QUEUE)
     assert sizer.goal == 4  # never under the step's target
     for _ in range(30):
-        sizer.observe(ROOM)
+        sizer.step_began()
+        for _ in range(5):
+            sizer.observe(ROOM)
     assert sizer.goal == 20  # never over the ceiling
-    assert sizer.changes["down"] == 3
+    assert sizer.changes["down"] == 4  # 8 to 7, 7 to 6, then 6 to 5 and 5 to 4: goals that fell
     with pytest.raises(ValueError, match="floor <= ceiling"):
         InFlightSizer(floor=5, ceiling=4)
 
 
-def test_steps_whose_sessions_come_back_stale_shrink_the_size_and_hold_it_until_the_share_falls():
+def test_sessions_about_to_go_stale_shrink_the_size_and_hold_it_before_any_comes_back_stale():
+    """The brake reads ahead: sessions still running as old as the bound allows (doomed) shrink the size at the
+    step's end, a version younger (at risk) hold it; sessions that came back stale count too, smoothed."""
     sizer = InFlightSizer(floor=2, ceiling=10)
-    for _ in range(12):
-        sizer.observe(ROOM)
-    assert sizer.goal == 10
-    sizer.step_ended(stale=4, sessions=16)  # 25%, smoothed: 12.5%
-    assert sizer.goal == 8 and sizer.holding and sizer.changes["stale"] == 1
-    assert not sizer.observe(ROOM) and sizer.goal == 8  # room, but held
+    sizer.groups = 10.0
+    sizer.step_ended(stale=0, sessions=16, doomed=4)  # 25% of a step's sessions will come back stale
+    assert sizer.goal == 9 and sizer.holding and sizer.changes["stale"] == 1 and not sizer.starting
+    sizer.step_began()
+    assert not sizer.observe(ROOM) and sizer.goal == 9  # room, but held
+    sizer.step_ended(stale=0, sessions=16, doomed=0, at_risk=8)  # half are a version from doomed: held still
+    assert sizer.holding and sizer.goal == 9 and sizer.changes["stale"] == 1
+    sizer.step_ended(stale=4, sessions=16)  # 25% came back stale, smoothed: 12.5%
+    assert sizer.groups == pytest.approx(8.1)  # 9 x 0.9
     sizer.step_ended(stale=0, sessions=16)  # 6.25% smoothed: under the hold
-    assert not sizer.holding and sizer.observe(ROOM) and sizer.goal == 9
+    sizer.step_began()
+    assert not sizer.holding and sizer.observe(ROOM) and sizer.goal == 10  # 9.1: a group a reading
 
 
 # -- SGLang's GET /v1/loads ---------------------------------------------------------------------------------------
@@ -137,10 +150,12 @@ def every_loop_turn(monkeypatch):
 
 
 @pytest.mark.anyio
-async def test_with_room_on_the_servers_a_step_keeps_more_groups_in_flight_up_to_its_ceiling(encoder, every_loop_turn):
+async def test_with_room_on_the_servers_a_step_keeps_more_groups_in_flight_as_far_as_a_step_grows(
+    encoder, every_loop_turn
+):
     backend = ReportingBackend(ROOM)
     engine, admitted = await first_step(backend, encoder, target=2)
-    assert engine.sizer is not None and engine.sizer.goal == 6  # 2 x over_sampling 3
+    assert engine.sizer is not None and engine.sizer.goal == 4  # slow start: the first step doubles its target
     assert admitted > 2 and backend.polls > 0
 
 
