@@ -784,9 +784,11 @@ class CachedServer:
 
     def v1_load(self) -> dict[str, Any]:
         """As one rank of SGLang 0.5.x's GET /v1/loads (`core`): `token_usage` is the KV running requests hold."""
-        held = (self.cache.num_used - len(self.cache.evictable)) / self.cache.capacity if self.cache.capacity else 0.0
+        used = self.cache.num_used - len(self.cache.evictable)  # blocks running requests hold
+        held = used / self.cache.capacity if self.cache.capacity else 0.0
         return {"dp_rank": 0, "num_running_reqs": len(self.running), "num_waiting_reqs": len(self.waiting),
-                "max_running_requests": self.config.max_running, "token_usage": round(held, 4)}  # fmt: skip
+                "max_running_requests": self.config.max_running, "token_usage": round(held, 4),
+                "num_used_tokens": used * BLOCK}  # fmt: skip
 
     def snapshot(self) -> dict[str, Any]:
         self._advance(time.monotonic())

@@ -122,11 +122,17 @@ def _mtime(path: Path) -> float | None:
 
 
 PINNING_POLICIES = ("consistent_hashing", "manual")  # sglang-router's policies that route by X-SMG-Routing-Key
+SHARED_LOAD_POLL_S = 1.0  # rollout shards: how often each shard's pool reads the workers' GET /v1/loads
 
 
 @asynccontextmanager
 async def routed_backend(
-    url: str, *, router_policy: str | None, routing: str = "auto", image_token_id: int | None = None
+    url: str,
+    *,
+    router_policy: str | None,
+    routing: str = "auto",
+    image_token_id: int | None = None,
+    load_poll_s: float | None = None,
 ) -> AsyncIterator[Backend]:
     """The backend for slime's `--sglang-router-ip/port`: the router itself, or a pool of the workers it lists
     (several servers given comma-separated are such a pool too).
@@ -136,12 +142,14 @@ async def routed_backend(
     workers as their prefixes' matches change (and lose the prefix cache of the worker they left). With
     `routing` "auto", generation then goes to the workers the router lists at start, in a BackendPool whose
     affinity placement keeps a trajectory on its worker (engine/backends/pool.py); control calls go to each
-    worker as they do behind the router. Workers the router gains later are not used until the next start."""
+    worker as they do behind the router. Workers the router gains later are not used until the next start. With
+    `load_poll_s` (rollout shards sharing the workers), the pool reads each worker's load that often and places by
+    it, other shards' requests included."""
     from engine.backends.sglang import SGLangBackend
 
     named = [u.strip() for u in url.split(",") if u.strip()]
     if len(named) > 1:
-        async with _worker_pool(named, image_token_id) as pool:
+        async with _worker_pool(named, image_token_id, load_poll_s) as pool:
             yield pool
         return
     async with SGLangBackend(url, image_token_id=image_token_id) as router:
@@ -156,16 +164,19 @@ async def routed_backend(
             "generation goes to the %d workers of sglang-router at %s directly, each trajectory kept on one (%s)",
             len(urls), url, why,
         )  # fmt: skip
-        async with _worker_pool(urls, image_token_id) as pool:
+        async with _worker_pool(urls, image_token_id, load_poll_s) as pool:
             yield pool
 
 
-def _worker_pool(urls: list[str], image_token_id: int | None) -> AbstractAsyncContextManager[Backend]:
+def _worker_pool(
+    urls: list[str], image_token_id: int | None, load_poll_s: float | None
+) -> AbstractAsyncContextManager[Backend]:
     """SGLang servers in a BackendPool that keeps each trajectory on one (affinity)."""
     from engine.backends.pool import BackendPool
     from engine.backends.sglang import SGLangBackend
 
-    return BackendPool([SGLangBackend(u, image_token_id=image_token_id) for u in urls], policy="affinity")
+    workers = [SGLangBackend(u, image_token_id=image_token_id) for u in urls]
+    return BackendPool(workers, policy="affinity", load_poll_s=load_poll_s)
 
 
 class RolloutService:
@@ -237,6 +248,7 @@ class RolloutService:
                 router_policy=s.router_policy,
                 routing=s.session_routing,
                 image_token_id=self.encoder.image_token_id,
+                load_poll_s=SHARED_LOAD_POLL_S if s.shards > 1 else None,
             )
         from engine.backends.local import LocalBackend
         from engine.models import load_model

@@ -174,3 +174,56 @@ async def test_a_listener_goes_to_the_server_picked_and_the_pool_streams_when_al
     result = await pool.generate([1, 2], LONG, rid="r", session_id="s", on_tokens=got.extend)
     assert got == result.token_ids and len(got) == 50
     assert sum(s.num_produced for s in servers) == 50
+
+
+class Reporting(DeterministicBackend):
+    """A server that reports what it runs for everyone (`GET /v1/loads`): `others` requests of other clients."""
+
+    def __init__(self, others: int = 0, used_tokens: int = 0):
+        super().__init__(stop_every=10_000)
+        self.others, self.used_tokens, self.reads = others, used_tokens, 0
+        self.read_twice = anyio.Event()
+
+    async def reported_loads(self):
+        from engine.backends.base import ReportedLoad
+
+        self.reads += 1
+        if self.reads == 2:
+            self.read_twice.set()
+        return [ReportedLoad(running=self.others, waiting=0, max_running=64, used_tokens=self.used_tokens)]
+
+
+@pytest.mark.anyio
+async def test_a_pool_given_load_poll_s_reads_what_every_server_reports_while_it_is_open():
+    servers = [Reporting(others=24, used_tokens=90_000), Reporting(others=3)]
+    async with BackendPool(servers, load_poll_s=0.01) as pool:
+        await servers[0].read_twice.wait()
+        await servers[1].read_twice.wait()  # the first read of each has been noted
+        assert [(load.reported_requests, load.reported_tokens) for load in pool.loads()] == [(24, 90_000), (3, 0)]
+
+
+@pytest.mark.anyio
+async def test_what_the_servers_report_moves_a_session_off_a_server_other_clients_load():
+    """Another shard keeps server 0 busy: once the pool has read the servers' loads, a session at home there moves
+    to the other server, and new sessions that tie on live sessions go to the less loaded one."""
+    servers = [Reporting(others=24, used_tokens=90_000), Reporting()]
+    pool = BackendPool(servers)
+    assert pool.pick("session-a") == 0  # all alike: the first server
+    await pool.read_reported_loads()
+    assert pool.pick("session-a") == 1  # its server is past the margin with the other shard's requests
+    assert pool.pick("session-b") == 0 and pool.pick("session-c") == 1  # one live session each, then by load
+
+
+@pytest.mark.anyio
+async def test_a_server_whose_load_cannot_be_read_keeps_what_it_said_last():
+    class Flaky(Reporting):
+        async def reported_loads(self):
+            if self.reads:
+                raise BackendError(ErrorClass.CONNECTION, "unreachable")
+            return await super().reported_loads()
+
+    servers = [Flaky(others=5), Reporting(others=1)]
+    pool = BackendPool(servers)
+    await pool.read_reported_loads()
+    await pool.read_reported_loads()  # the first server fails this time
+    assert [load.reported_requests for load in pool.loads()] == [5, 1]

@@ -56,6 +56,7 @@ class ReportedLoad:
     waiting: int
     max_running: int
     token_usage: float = 0.0
+    used_tokens: int = 0  # KV tokens in use (`num_used_tokens`; 0 where the server does not say)
 
 
 @dataclass(frozen=True, slots=True)

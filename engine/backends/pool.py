@@ -9,7 +9,8 @@ fewest live sessions (`end_session`, which the engine calls as each trajectory e
 "consistent_hash" and "round_robin" are there to compare with. Every policy passes over servers that
 failed with a retryable error in the last `cooldown_s` seconds (unless all have), so a retry after a
 connection error or a 5xx lands elsewhere. The pool tracks each server's load itself: requests and prompt
-tokens in flight (`note_reported_load` adds what a server reports for other clients). Aborts go to the
+tokens in flight; given `load_poll_s`, it also reads what each server reports it runs (`GET /v1/loads`) that
+often, so other clients' requests (other rollout shards, other jobs) count where it places. Aborts go to the
 server that holds the request; pause, resume and weight versions go to every server, and a server that
 fails is logged and passed over (one error is raised only when all fail). Given the servers' URLs (or a
 router's workers), the pool places by load and cache, which sglang-router's session hashing does not;
@@ -19,10 +20,14 @@ does (engine/backends/base.py): a token listener goes with the request to the se
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from typing import Any
+
+import anyio
+import anyio.abc
 
 from engine.backends.affinity import Placement, PolicyName, ServerLoad, least_loaded, make_placement
 from engine.backends.base import (
@@ -37,6 +42,8 @@ from engine.backends.base import (
 from engine.backends.fanout import agreed_version, combined_error, gather, log_failures
 from engine.errors import BackendError
 
+log = logging.getLogger(__name__)
+
 
 class BackendPool:
     def __init__(
@@ -48,6 +55,7 @@ class BackendPool:
         max_sessions: int = 65_536,
         move_margin: float = 0.25,
         move_slack_tokens: int = 2048,
+        load_poll_s: float | None = None,
         clock=time.monotonic,
     ):
         if not backends:
@@ -71,12 +79,41 @@ class BackendPool:
         self._reported = [(0, 0)] * len(self.backends)  # (requests, tokens) each server last reported
         self._failed_at = [float("-inf")] * len(self.backends)
         self._where: dict[str, int] = {}  # rid -> the server running it
+        self.load_poll_s = load_poll_s
+        self._watching: anyio.abc.TaskGroup | None = None
 
     async def __aenter__(self) -> BackendPool:
+        if self.load_poll_s is not None and all(hasattr(b, "reported_loads") for b in self.backends):
+            self._watching = anyio.create_task_group()
+            await self._watching.__aenter__()
+            self._watching.start_soon(self._watch_loads, self.load_poll_s)
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
+        if self._watching is not None:
+            self._watching.cancel_scope.cancel()
+            await self._watching.__aexit__(None, None, None)
+            self._watching = None
         await self.aclose()
+
+    async def _watch_loads(self, interval_s: float) -> None:
+        """Every `interval_s`: what each server reports it runs, into the placement's view (`note_reported_load`)."""
+        while True:
+            await self.read_reported_loads()
+            await anyio.sleep(interval_s)
+
+    async def read_reported_loads(self) -> None:
+        """Each server's `GET /v1/loads` (requests running and waiting, KV tokens in use) noted as its reported load:
+        other clients' requests count where the pool places, so several pools (rollout shards, other jobs) sharing
+        the servers do not pile onto one. A server that fails or does not say keeps what it last said."""
+        calls = {str(i): backend.reported_loads for i, backend in enumerate(self.backends)}
+        reported, failures = await gather(calls)  # type: ignore[arg-type]
+        for name, exc in failures.items():
+            log.debug("server %s: its load could not be read: %s", name, exc)
+        for name, loads in reported.items():
+            if loads:
+                running = sum(load.running + load.waiting for load in loads)
+                self.note_reported_load(int(name), running, sum(load.used_tokens for load in loads))
 
     @property
     def streams(self) -> bool:

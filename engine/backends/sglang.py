@@ -356,6 +356,7 @@ class SGLangBackend:
                 waiting=sum(int(rank["num_waiting_reqs"]) for rank in ranks),
                 max_running=sum(int(rank["max_running_requests"]) for rank in ranks),
                 token_usage=max((float(rank.get("token_usage", 0.0)) for rank in ranks), default=0.0),
+                used_tokens=sum(int(rank.get("num_used_tokens", 0)) for rank in ranks),
             )
         except (TypeError, KeyError, ValueError) as exc:
             raise server.error(ErrorClass.MALFORMED, where, f"no load per rank ({exc!r})", str(reply)[:500]) from exc
