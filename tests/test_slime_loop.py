@@ -146,10 +146,13 @@ def test_sglang_runs_need_a_trajectorys_turns_on_one_worker(tmp_path):
     not os.environ.get("TURNSTILE_SLIME_CHECKOUT"),
     reason="set TURNSTILE_SLIME_CHECKOUT to a slime checkout to run slime's own train.py on Turnstile",
 )
-def test_slimes_train_py_runs_two_steps_on_the_embedded_model(tmp_path):
+@pytest.mark.parametrize("shards", [1, 2], ids=["one_engine", "two_rollout_shards"])
+def test_slimes_train_py_runs_two_steps_on_the_embedded_model(tmp_path, shards):
+    """slime's own train.py, two steps; with two shards (`turnstile: {shards: 2}`), Ray actors that slime's rollout
+    manager creates and decides for."""
     checkout = os.environ["TURNSTILE_SLIME_CHECKOUT"]
     cmd = [sys.executable, "-m", "scripts.slime_loop.main", checkout, "--out", str(tmp_path), "--drivers", "train",
-           "--seeds", "0", "--controls", "none", "--steps", "2"]  # fmt: skip
+           "--seeds", "0", "--controls", "none", "--steps", "2", "--shards", str(shards)]  # fmt: skip
     subprocess.run(cmd, cwd=ROOT, timeout=900, check=False)
     summary = json.loads((tmp_path / "report.json").read_text())
     (run,) = summary["runs"]

@@ -77,6 +77,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="embedded: the model slime trains generates in the rollout actor; sglang: two SGLang CPU servers "
         "(--rollout-external-engine-addrs) behind the sglang-router slime starts, with its default policy",
     )  # fmt: skip
+    p.add_argument(
+        "--shards", type=int, default=1, help="the rollout on this many shards (`turnstile: {shards: N}`), Ray actors"
+    )
     p.add_argument("--slime-commit", default=None)
     p.add_argument("--report-only", action="store_true", help="only rebuild the report from the runs in --out")
     return p.parse_args(argv)
@@ -93,12 +96,13 @@ def slime_commit(slime: Path, given: str | None) -> str:
         return "unknown"
 
 
-def prepare(out: Path, seed: int, max_turns: int = 2, later_credit: float = 1.0) -> dict[str, str]:
+def prepare(out: Path, seed: int, max_turns: int = 2, later_credit: float = 1.0, shards: int = 1) -> dict[str, str]:
     """The seed's warm-started model, prompts and custom config (shared by its runs)."""
     base = out / "inputs" / f"seed{seed}"
     base.mkdir(parents=True, exist_ok=True)
-    custom = base / f"turnstile-{max_turns}turns-credit{later_credit:g}.yaml"
-    env = {"rollout_interaction_env_path": "scripts.slime_loop.task", "turnstile": {"max_new_tokens": 4}}
+    custom = base / f"turnstile-{max_turns}turns-credit{later_credit:g}-shards{shards}.yaml"
+    turnstile = {"max_new_tokens": 4, **({"shards": shards} if shards > 1 else {})}
+    env = {"rollout_interaction_env_path": "scripts.slime_loop.task", "turnstile": turnstile}
     custom.write_text(yaml.safe_dump({"max_turns": max_turns, "loop_later_credit": later_credit, **env}))
     return {
         "hf_checkpoint": str(task.warm_start(base / "warm_start", seed=seed)),
@@ -160,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         for control in opts.controls.split(","):
             seeds = opts.seeds if control == "none" else opts.control_seeds
             for seed in map(int, seeds.split(",")):
-                name = f"{driver}-{opts.backend}-{control}-seed{seed}"
+                sharded = f"-shards{opts.shards}" if opts.shards > 1 else ""
+                name = f"{driver}-{opts.backend}-{control}-seed{seed}{sharded}"
                 spec = {
                     "name": name, "slime": str(opts.slime.resolve()), "work": str((opts.out / name).resolve()),
                     "driver": driver, "backend": opts.backend, "control": control, "seed": seed,
@@ -169,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
                     "train_steps_per_rollout": opts.train_steps_per_rollout,
                     "freeze_params": [p for p in opts.freeze_params.split(",") if p],
                     "dynamic_filter": FILTERS.get(opts.dynamic_filter, opts.dynamic_filter),
-                    "partial_rollout": True, **prepare(opts.out, seed, opts.max_turns, opts.later_credit),
+                    "partial_rollout": True, "shards": opts.shards,
+                    **prepare(opts.out, seed, opts.max_turns, opts.later_credit, opts.shards),
                 }  # fmt: skip
                 print(f"{name}: running", flush=True)
                 result = run_one(spec)
