@@ -35,15 +35,15 @@ agent-clis: $(INSTALLED)
 
 bench: $(INSTALLED)
 	mkdir -p reports
-	$(VENV)/bin/python -m benchmarks.encoding_speed --out reports/encoding_speed.json
-	$(VENV)/bin/python -m benchmarks.trajectory_memory --out reports/trajectory_memory.json
-	$(VENV)/bin/python -m benchmarks.local_concurrency --out reports/local_concurrency.json
-	$(VENV)/bin/python -m benchmarks.mm_merge --out reports/mm_merge.json
-	$(VENV)/bin/python -m benchmarks.overhead --out reports/overhead
-	$(VENV)/bin/python -m benchmarks.bridge_overhead --out reports/bridge_overhead.json
+	$(VENV)/bin/python -m benchmarks.micro encoding_speed --out reports/encoding_speed.json
+	$(VENV)/bin/python -m benchmarks.micro trajectory_memory --out reports/trajectory_memory.json
+	$(VENV)/bin/python -m benchmarks.micro local_concurrency --out reports/local_concurrency.json
+	$(VENV)/bin/python -m benchmarks.micro mm_merge --out reports/mm_merge.json
+	$(VENV)/bin/python -m benchmarks.micro overhead --out reports/overhead
+	$(VENV)/bin/python -m benchmarks.micro bridge_overhead --out reports/bridge_overhead.json
 	$(VENV)/bin/python -m benchmarks.longtail --size large --out reports/longtail
-	$(VENV)/bin/python -m benchmarks.hung_env --out reports/hung_env.json
-	$(VENV)/bin/python -m benchmarks.stream_latency --out reports/stream_latency.json
-	$(VENV)/bin/python -m benchmarks.gateway --out reports/gateway.json
-	$(VENV)/bin/python -m benchmarks.gateway_live --out reports/gateway_live.json
-	$(VENV)/bin/python -m benchmarks.sandbox --out reports/sandbox.json
+	$(VENV)/bin/python -m benchmarks.faults.hung_env --out reports/hung_env.json
+	$(VENV)/bin/python -m benchmarks.micro stream_latency --out reports/stream_latency.json
+	$(VENV)/bin/python -m benchmarks.agents.gateway --out reports/gateway.json
+	$(VENV)/bin/python -m benchmarks.agents.gateway_live --out reports/gateway_live.json
+	$(VENV)/bin/python -m benchmarks.micro sandbox --out reports/sandbox.json

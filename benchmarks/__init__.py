@@ -1,4 +1,17 @@
-"""Benchmarks, run as modules: `python -m benchmarks.<name> [--out FILE]`, each printing a JSON report."""
+"""Benchmarks, grouped by purpose into packages, each run by its entry point (its `__main__.py`; `--help` gives the
+flags). Each prints a JSON report (`--out` writes it too) or writes a report folder; docs/benchmarks.md has every
+command and what it measures.
+
+    python -m benchmarks.longtail      slime-style rollout against Turnstile on a simulated SGLang server; that server
+                                       (longtail/simserver.py) serves the other benchmarks that need one too
+    python -m benchmarks.faults        the fault-injection suite; benchmarks.faults.hung_env: a hung env under
+                                       `turnstile run`
+    python -m benchmarks.scale         many servers and placement; benchmarks.scale.shards (rollout shards) and
+                                       benchmarks.scale.context_cost (a turn's cost against its history)
+    python -m benchmarks.agents        agent programs through the session gateway; benchmarks.agents.gateway and
+                                       benchmarks.agents.gateway_live: the gateway's cost
+    python -m benchmarks.micro [NAME]  one cost at a time (without NAME: the list of them)
+"""
 
 from __future__ import annotations
 

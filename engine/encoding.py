@@ -67,7 +67,7 @@ DUMMY_MESSAGES = (
     {"role": "assistant", "content": ASSISTANT_SENTINEL},
 )
 # Text up to this many characters is encoded on the event loop by the async variants: below it the thread
-# hop costs more loop time than the tokenizer's share of the work frees (benchmarks/payloads.py measures it).
+# hop costs more loop time than the tokenizer's share of the work frees (benchmarks/micro/payloads.py measures it).
 INLINE_MAX_CHARS = 4096
 CHARS_PER_TOKEN = 4  # about, for English text: a drift check of INLINE_MAX_CHARS / 4 tokens runs inline
 # Images shared by every encoder that is not given its own cache.

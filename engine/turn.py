@@ -189,7 +189,7 @@ def out_of_room(trajectory: Trajectory, limits: TurnLimits) -> StopReason | None
 
 
 def stop_after_generation(trajectory: Trajectory, result: GenerateResult, limits: TurnLimits) -> StopReason | None:
-    """Step 3 for a loop without pauses of its own (slime's, in benchmarks/longtail_slime.py): an abort
+    """Step 3 for a loop without pauses of its own (slime's, in benchmarks/longtail/slime.py): an abort
     ends the trajectory; otherwise, is it out of room?"""
     if result.finish_reason == "abort":
         return StopReason.ABORTED

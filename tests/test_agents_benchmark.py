@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.agents import POLICIES, SIZES, run_benchmark
+from benchmarks.agents.run import POLICIES, SIZES, run_benchmark
 
 
 @pytest.mark.anyio

@@ -264,7 +264,7 @@ def test_a_hung_env_fails_its_trajectory_on_its_budget_and_the_process_exits_nam
     out = tmp_path / "out.jsonl"
     argv = ["run", "--env", str(tmp_path / "hung_env.py"), "--num-prompts", "1", "--max-new-tokens", "4"]
     proc = turnstile(*argv, "--env-step-timeout", "0.3", "--out", str(out))
-    _, err = proc.communicate(timeout=300)  # a bound for a broken exit, not a measure (benchmarks.hung_env times it)
+    _, err = proc.communicate(timeout=300)  # a bound for a broken exit, not a measure (benchmarks.faults.hung_env)
     assert proc.returncode == 1, err  # every trajectory failed
     [record] = read_lines(out)
     assert (record["status"], record["stop_reason"]) == ("failed", "env_error")

@@ -1,11 +1,11 @@
-"""benchmarks/context_cost.py runs the whole engine on a small size, with and without images: every trajectory
+"""benchmarks/scale/context_cost.py runs the whole engine on a small size, with and without images: every trajectory
 runs its turns against the in-process double, and the report has a figure for each context and image count."""
 
 from __future__ import annotations
 
 import json
 
-from benchmarks.context_cost import main
+from benchmarks.scale.context_cost import main
 
 
 def test_the_context_cost_benchmark_reports_each_context_and_image_count(tmp_path):

@@ -361,11 +361,11 @@ def test_the_rollout_service_hosts_its_envs_in_workers_and_ends_them_with_itself
 
 
 def test_the_env_workers_benchmark_reports_both_modes(local_ray, tmp_path):
-    """benchmarks/env_workers.py at a tiny size: both modes answer every step, and the report has what its
+    """benchmarks/micro/env_workers.py at a tiny size: both modes answer every step, and the report has what its
     docstring promises (turns/s, loop lag, the CPU per step of the engine and of the workers)."""
     import json
 
-    from benchmarks.env_workers import main
+    from benchmarks.micro.env_workers import main
 
     argv = ["--out", str(tmp_path), "--trajectories", "4", "--turns", "4", "--inflight", "4", "--step-ms", "10"]
     main([*argv, "--workers", "1"])
@@ -383,10 +383,10 @@ def test_the_env_workers_benchmark_reports_both_modes(local_ray, tmp_path):
 
 
 def test_the_ray_call_benchmark_reports_every_mode(local_ray, tmp_path):
-    """benchmarks/ray_call.py at a tiny size: each mode answers every call and reports its CPU per call."""
+    """benchmarks/micro/ray_call.py at a tiny size: each mode answers every call and reports its CPU per call."""
     import json
 
-    from benchmarks.ray_call import MODES, main
+    from benchmarks.micro.ray_call import MODES, main
 
     main(["--out", str(tmp_path / "ray_call.json"), "--calls", "8", "--concurrency", "2", "--step-ms", "5"])
     report = json.loads((tmp_path / "ray_call.json").read_text())

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import anyio
 import pytest
 
-from benchmarks.workload import Workload
+from benchmarks.longtail.workload import Workload
 from engine.backends.base import SamplingParams
 from engine.encoding import ChatEncoder
 from engine.engine import EngineConfig, RolloutEngine
@@ -309,7 +309,7 @@ def test_a_replay_safe_subprocess_env_starts_a_new_child_at_reset():
 def test_build_env_runs_the_wrapped_env_in_a_child_process_when_the_config_says_so():
     workload = Workload("t", env_median_s=0.0, failure_rate=0.0)
     args = SimpleNamespace(
-        fault_injection={"env_path": "benchmarks.faults_env", "subprocess": True},
+        fault_injection={"env_path": "benchmarks.faults.env", "subprocess": True},
         fault_workload={"name": "t", "env_median_s": 0.0, "failure_rate": 0.0},
         live_object=threading.Lock(),  # slime's args carry objects that do not pickle: they stay behind
     )

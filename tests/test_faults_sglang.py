@@ -1,4 +1,4 @@
-"""The fault suite against a real SGLang server on CPU (benchmarks/faults.py --sglang), at its smoke size: the
+"""The fault suite against a real SGLang server on CPU (`python -m benchmarks.faults --sglang`), at its smoke size: the
 fault-free baseline, env exceptions, and HTTP 5xx injected by the fault proxy into the real server's replies.
 No prompt is lost, the engine neither crashed nor hung, and each fault is counted under its class. Also the
 proxy on its own in front of the real server: replies pass through unchanged, or come back as the errors the
@@ -27,9 +27,10 @@ from dataclasses import replace
 import anyio
 import pytest
 
-from benchmarks.faultproxy import FaultProxy, ProxyFaults
-from benchmarks.faults import CASES, SGLANG_SIZES, run_suite, write_outputs
-from benchmarks.longtail_model import IM_END, IM_START
+from benchmarks.faults.cases import CASES
+from benchmarks.faults.proxy import FaultProxy, ProxyFaults
+from benchmarks.faults.suite import SGLANG_SIZES, run_suite, write_outputs
+from benchmarks.longtail.model import IM_END, IM_START
 from engine.backends.base import SamplingParams
 from engine.backends.sglang import SGLangBackend
 from engine.envs.faults import FaultSpec
@@ -54,8 +55,8 @@ PARAMS = SamplingParams(max_new_tokens=4, stop_token_ids=(IM_END,))
 
 @pytest.fixture(scope="module")
 def sglang_server(tmp_path_factory):
-    from benchmarks.faults_servers import ProcessUnavailable
-    from benchmarks.faults_sglang import SGLangProcess, unavailable
+    from benchmarks.faults.servers import ProcessUnavailable
+    from benchmarks.faults.sglang import SGLangProcess, unavailable
 
     if (reason := unavailable()) is not None:
         print(reason)
@@ -73,7 +74,7 @@ def sglang_server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def report(sglang_server, tmp_path_factory):
-    from benchmarks.faults_sglang import SGLangServers
+    from benchmarks.faults.sglang import SGLangServers
 
     out = tmp_path_factory.mktemp("faults-sglang")
     servers = SGLangServers(url=sglang_server.url)
@@ -86,7 +87,7 @@ def test_the_report_is_of_the_real_server_and_says_what_it_covers(report):
     report, out = report
     assert report["server"] == "sglang"
     assert list(report["faults"]) == ["none", ENV_CASE.name, SERVER_CASE.name]
-    assert report["sglang"]["run"] is True and "faultproxy" in report["sglang"]["covers"]
+    assert report["sglang"]["run"] is True and "faults/proxy.py" in report["sglang"]["covers"]
     table = (out / "report.md").read_text()
     assert "sglang server" in table and "Against real SGLang" in table
     assert (out / "faults.png").stat().st_size > 0

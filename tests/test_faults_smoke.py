@@ -1,4 +1,4 @@
-"""The fault-injection suite (benchmarks/faults.py) end to end at its smallest size: every fault injected, no
+"""The fault-injection suite (benchmarks/faults/) end to end at its smallest size: every fault injected, no
 prompt lost, the engine neither crashed nor hung, and the report, table and figure written. Also the simulated
 server's own fault injection, and its restart on the same port; the fault proxy of the --sglang variant where no
 server answers, and its bad settings; the suite's bad flags. (tests/test_faults_sglang.py runs the suite against a
@@ -11,11 +11,12 @@ import json
 import httpx2
 import pytest
 
-from benchmarks.faultproxy import FaultProxy, ProxyFaults
-from benchmarks.faults import CASES, SIZES, main
-from benchmarks.faults_servers import SimProcess, free_port
-from benchmarks.longtail_model import IM_END, IM_START
-from benchmarks.simserver import SimConfig
+from benchmarks.faults.cases import CASES
+from benchmarks.faults.proxy import FaultProxy, ProxyFaults
+from benchmarks.faults.servers import SimProcess, free_port
+from benchmarks.faults.suite import SIZES, main
+from benchmarks.longtail.model import IM_END, IM_START
+from benchmarks.longtail.simserver import SimConfig
 from engine.backends.base import SamplingParams
 from engine.backends.sglang import SGLangBackend
 from engine.errors import BackendError, ErrorClass

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from benchmarks.gateway import main
+from benchmarks.agents.gateway import main
 
 
 def test_the_gateway_benchmark_serves_every_request_paced_and_in_lockstep(tmp_path, capsys):

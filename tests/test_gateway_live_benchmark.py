@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from benchmarks.gateway_live import main
+from benchmarks.agents.gateway_live import main
 
 
 def run(tmp_path, *argv: str) -> dict:

@@ -12,10 +12,10 @@ import httpx2
 import pytest
 from aiohttp import web
 
-from benchmarks.longtail import POLICIES, run_benchmark, sim_post, sim_server, sized, write_outputs
-from benchmarks.longtail_model import IM_END, IM_START, turn_start
-from benchmarks.simserver import SimConfig, SimServer
-from benchmarks.workload import Workload, lognormal
+from benchmarks.longtail.model import IM_END, IM_START, turn_start
+from benchmarks.longtail.run import POLICIES, run_benchmark, sized, write_outputs
+from benchmarks.longtail.simserver import SimConfig, SimServer, sim_post, sim_server
+from benchmarks.longtail.workload import Workload, lognormal
 from engine.backends.base import SamplingParams
 from engine.backends.sglang import SGLangBackend
 

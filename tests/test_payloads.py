@@ -286,7 +286,7 @@ async def test_a_request_aborted_while_its_body_is_built_is_never_sent(server, m
 
 @pytest.mark.anyio
 async def test_the_payloads_benchmark_runs_a_trajectory(processor):
-    from benchmarks.payloads import run_trajectory
+    from benchmarks.micro.payloads import run_trajectory
 
     encoder = ChatEncoder(processor.tokenizer, processor=processor, payloads=ImagePayloads())
     for mode in ("sync", "async"):

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from benchmarks.scale import SIZES, main
+from benchmarks.scale.run import SIZES, main
 
 KEYS = (
     "trained_tokens_per_s", "utilization", "cached_share_after_turn1", "cached_share_after_turn1_steady",

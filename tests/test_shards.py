@@ -102,7 +102,7 @@ def test_each_shard_has_its_own_ports_and_a_shard_label():
 @pytest.mark.slow
 def test_the_shard_benchmark_runs_each_count_on_processes_of_its_own(tmp_path):
     pytest.importorskip("ray", reason="Ray is part of the dev extra; install it with `pip install -e .[dev]`")
-    from benchmarks.shards import main
+    from benchmarks.scale.shards import main
 
     report = main(["--shards", "1", "2", "--steps", "1", "--target-groups", "4", "--servers", "2", "--out",
                    str(tmp_path / "shards.json")])  # fmt: skip

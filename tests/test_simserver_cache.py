@@ -1,5 +1,6 @@
-"""The simulator's many-server mode (benchmarks/simserver.py): its KV cache (hits, LRU eviction, capacity), and its
-servers driven over HTTP by the real SGLangBackend (cached_tokens in replies, queueing when KV is full, /get_load)."""
+"""The simulator's many-server mode (benchmarks/longtail/simserver.py): its KV cache (hits, LRU eviction, capacity),
+and its servers driven over HTTP by the real SGLangBackend (cached_tokens in replies, queueing when KV is full,
+/get_load)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import httpx2
 import pytest
 from aiohttp import web
 
-from benchmarks.longtail_model import IM_END, IM_START
-from benchmarks.simserver import BLOCK, Fleet, KVCache, SimConfig, chain
+from benchmarks.longtail.model import IM_END, IM_START
+from benchmarks.longtail.simserver import BLOCK, Fleet, KVCache, SimConfig, chain
 from engine.backends.base import SamplingParams
 from engine.backends.sglang import SGLangBackend
 from engine.errors import BackendError

@@ -1,5 +1,5 @@
-"""The simulated SGLang server's streamed replies (benchmarks/simserver.py), one server and many, cumulative and
-incremental, read by the real SGLangBackend: the tokens of the unstreamed reply, paced as they are made."""
+"""The simulated SGLang server's streamed replies (benchmarks/longtail/simserver.py), one server and many, cumulative
+and incremental, read by the real SGLangBackend: the tokens of the unstreamed reply, paced as they are made."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator
 import pytest
 from aiohttp import web
 
-from benchmarks.longtail_model import IM_END, IM_START
-from benchmarks.simserver import Fleet, SimConfig, SimServer
+from benchmarks.longtail.model import IM_END, IM_START
+from benchmarks.longtail.simserver import Fleet, SimConfig, SimServer
 from engine.backends.base import SamplingParams
 from engine.backends.sglang import SGLangBackend
 

@@ -75,7 +75,7 @@ class Gateway:
     has a key of its own for its agent. `open_on_first_use`: a request to a session id never opened opens it
     (with the gateway's key). `on_finished(session, chains)`: called once per session finished. `gc_freeze`: as
     the engine's setting of that name, once per process when serving starts (a full collection over the SDKs,
-    torch and the tokenizer stalled the loop 0.3-0.4 s at a time with 1,000 sessions: benchmarks.gateway)."""
+    torch and the tokenizer stalled the loop 0.3-0.4 s at a time with 1,000 sessions: benchmarks.agents.gateway)."""
 
     def __init__(
         self,
@@ -184,7 +184,7 @@ class Gateway:
             freeze_long_lived()
         # IPPROTO_TCP named: asyncio sets TCP_NODELAY on the connections it accepts from a socket of that protocol
         # only. Without it Nagle's algorithm held each reply's body (and each streamed event) until the client's
-        # delayed ACK, about 40 ms on a connection kept alive (benchmarks.gateway_live)
+        # delayed ACK, about 40 ms on a connection kept alive (benchmarks.agents.gateway_live)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

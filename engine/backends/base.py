@@ -25,7 +25,7 @@ and dropped by the backend, and the generation goes on.
 Token buffers. A backend whose `generate` reads `input_ids` as an integer buffer (an `array("i")`, an ndarray)
 without a Python loop over them says so with `token_buffers = True`; the turn loop then hands it a copy of the
 trajectory's token array (a memory copy) rather than a list built id by id, which at 64k tokens of history cost
-more of the loop than the rest of the turn (benchmarks/context_cost.py).
+more of the loop than the rest of the turn (benchmarks/scale/context_cost.py).
 
 A stream that breaks after some tokens arrived ends as an aborted generation (finish_reason `abort`) holding
 the tokens the listener got, with `meta[STREAM_BROKEN]` saying why, so the caller continues the turn from them

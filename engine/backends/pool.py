@@ -14,7 +14,7 @@ often, so other clients' requests (other rollout shards, other jobs) count where
 server that holds the request; pause, resume and weight versions go to every server, and a server that
 fails is logged and passed over (one error is raised only when all fail). Given the servers' URLs (or a
 router's workers), the pool places by load and cache, which sglang-router's session hashing does not;
-benchmarks/scale.py compares the three policies over 64 simulated servers. The pool streams when every server
+benchmarks/scale/run.py compares the three policies over 64 simulated servers. The pool streams when every server
 does (engine/backends/base.py): a token listener goes with the request to the server picked.
 """
 

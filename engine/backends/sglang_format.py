@@ -128,7 +128,7 @@ def token_array(input_ids: Sequence[int] | np.ndarray) -> np.ndarray:
 DEFAULT_JSON_CACHE_BYTES = 256 << 20
 # Bodies from this size on are built in a worker thread: the join's copy (about 0.07 ms a MiB) then costs the loop
 # nothing, as bytes.join releases the GIL from 1 MiB on when every part is bytes, and a thread hop (~65 us of loop
-# time) costs less than joining 2 MiB (~0.14 ms). benchmarks/payloads.py measures both.
+# time) costs less than joining 2 MiB (~0.14 ms). benchmarks/micro/payloads.py measures both.
 THREAD_MIN_BYTES = 2 << 20
 
 
