@@ -78,10 +78,18 @@ class ShardedService:
         self.shards, self.settings = list(shards), settings
         self._calls = ThreadPoolExecutor(max_workers=2 * len(self.shards), thread_name_prefix="turnstile-shard")
         self._step: _StepSum | None = None
+        self._held: list[int] | None = None  # each shard's held groups, as its last call said (None: ask)
 
     # -- what is held ----------------------------------------------------------------------------
     def num_held(self) -> int:
-        return sum(self._each(lambda shard: shard.num_held()))
+        return sum(self._held_by_shard())
+
+    def _held_by_shard(self) -> list[int]:
+        """Each shard's held groups. Only this service's calls change them (a shard created again holds what the
+        dead one did), so what a step's `finish` said stands until the next call that queues groups."""
+        if self._held is None:
+            self._held = self._each(lambda shard: shard.num_held())
+        return list(self._held)
 
     def held_prompts(self) -> list[int | None]:
         indices = [i for held in self._each(lambda shard: shard.held_prompts()) for i in held]
@@ -92,8 +100,8 @@ class ShardedService:
         return max(0, self.settings.step_groups(target)[1] - self.num_held())
 
     def queue(self, groups: list[tuple[int, list[Any]]]) -> None:
-        held = self._each(lambda shard: shard.num_held())
-        placed = place(len(groups), held)
+        placed = place(len(groups), self._held_by_shard())
+        self._held = None
         self._each_indexed(lambda i, shard: shard.queue([groups[j] for j in placed[i]]) if placed[i] else None)
 
     # -- steps -----------------------------------------------------------------------------------
@@ -129,12 +137,15 @@ class ShardedService:
     def _round(self, rollout_id: int, target: int, groups: list[list[Any]]) -> list[StepOutput]:
         """New groups placed, every shard's step begun, watched until the shards have `target` finished groups
         between them (or run dry), and finished: each shard's output."""
-        held = self._each(lambda shard: shard.num_held())
+        held = self._held_by_shard()
         placed = place(len(groups), held)
         targets = shares(target, [h + len(p) for h, p in zip(held, placed, strict=True)])
+        self._held = None  # until the shards say again
         self._each_indexed(lambda i, shard: shard.begin(rollout_id, targets[i], [groups[j] for j in placed[i]]))
         takes = spread(target, self._watch(target))
-        return self._each_indexed(lambda i, shard: shard.finish(takes[i]))
+        outs = self._each_indexed(lambda i, shard: shard.finish(takes[i]))
+        self._held = [out.num_held for out in outs]
+        return outs
 
     def _watch(self, target: int) -> list[int]:
         """Each shard's finished groups, once they make `target` between them or no shard runs any more."""

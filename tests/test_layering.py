@@ -18,7 +18,11 @@ PACKAGES = ("engine", "bridge")
 # matches a module places it.
 LAYERS: list[tuple[str, tuple[str, ...], str]] = [
     ("the command", ("engine.cli",), "`turnstile`: its parser, the settings it builds"),
-    ("slime's side", ("bridge.*",), "rollout functions with slime's signatures, the service, the Ray actor"),
+    (
+        "slime's side",
+        ("bridge.*",),
+        "rollout functions with slime's signatures, the service, the Ray actor, the shards",
+    ),
     (
         "the commands' work",
         ("engine.gateway_command", "engine.run", "engine.show", "engine.template_check", "engine.template_drift"),

@@ -112,3 +112,21 @@ def test_the_shard_benchmark_runs_each_count_on_processes_of_its_own(tmp_path):
         assert run["turns"] > 0 and run["shard_cpu_ms_per_turn"] > 0 and run["coordinator_cpu_ms_per_turn"] > 0
     assert set(report["projection"]["turns_per_s"]) == {"1", "2", "4", "8", "16"}
     assert (tmp_path / "shards.json").exists()
+
+
+@pytest.mark.slow
+def test_the_scale_workload_runs_through_shards_over_the_simulated_fleet():
+    pytest.importorskip("ray", reason="Ray is part of the dev extra; install it with `pip install -e .[dev]`")
+    from dataclasses import replace
+
+    from benchmarks.longtail.simserver import sim_server
+    from benchmarks.scale.run import SIZES
+    from benchmarks.scale.sharded import run_sharded
+
+    size = replace(SIZES["smoke"], duration_s=4.0)
+    with sim_server(replace(size.server, servers=size.servers)) as url:
+        result = run_sharded(size, url, 2)
+    samples = result["steps"] * size.target_groups * size.n_samples  # every step its target, whole
+    assert result["steps"] > 0 and sum(result["statuses"].values()) == samples
+    assert result["statuses"].get("failed", 0) == 0 and result["utilization"] > 0
+    assert result["coordinator_cpu_ms_per_turn"] > 0 and result["shard_cpu_ms_per_turn"] > 0

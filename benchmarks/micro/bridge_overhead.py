@@ -20,10 +20,11 @@ the label, both normalized). The simulated model's text holds no boxed answer, s
 and the rule's work is the scan of each response, about what it is when the answer is near the end.
 
 Measured inside that step:
-- conversion: every Trajectory -> Sample conversion, each counted once: `bridge.rewards.to_sample`
-  (token, mask and log-prob lists, the response decoded, metadata; once per trajectory, on its
-  reward call), and each `bridge.rewards.settle` after it (the outcome and metadata brought up to
-  date, on the reward call and again when the step hands the Sample over);
+- conversion: every Trajectory -> Sample conversion, each counted once, in CPU seconds of the thread it
+  runs in: `bridge.rewards.to_sample` (token, mask and log-prob lists, the response decoded, metadata;
+  once per trajectory, on its reward call, in a worker thread), and each `bridge.rewards.settle` after
+  it (the outcome and metadata brought up to date, on the reward call and again when the step hands
+  the Sample over);
 - reward: every call of the reward function (`reward_calls`, `reward_seconds`), conversion excluded;
 - transfer: the step's samples through pickle protocol 5 and back (what Ray does to Python objects
   between the rollout service's actor and slime's rollout manager), and with Ray installed, a real
@@ -46,7 +47,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import bridge.rewards
-import bridge.service
 from benchmarks import emit
 from benchmarks.longtail.simserver import SimConfig, sim_server
 from bridge.convert import Sample
@@ -120,22 +120,25 @@ async def boxed_answer_rm(args: Any, sample: Any) -> float:
 
 
 class Timed:
-    """Wraps a function and adds up the seconds spent in it (awaiting it, for an async one)."""
+    """Wraps a function and adds up the CPU seconds of the thread it runs in (the conversion runs in worker
+    threads, several at once: their wall time would count each one's wait for the others)."""
 
     def __init__(self, fn):
         self.fn, self.seconds, self.calls = fn, 0.0, 0
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args, **kwargs):
-        started = time.perf_counter()
+        started = time.thread_time()
         try:
             return self.fn(*args, **kwargs)
         finally:
-            self.seconds += time.perf_counter() - started
+            self.seconds += time.thread_time() - started
             self.calls += 1
 
 
 class TimedAsync(Timed):
+    """An async function's seconds from call to return (on the rollout's event loop)."""
+
     async def __call__(self, *args, **kwargs):
         started = time.perf_counter()
         try:
@@ -224,7 +227,6 @@ def run(groups: int, n: int, turns: int, tokens_per_turn: int) -> dict[str, Any]
     reward = TimedAsync(getattr(importlib.import_module(rm_module), rm_name))
     with (
         patched(bridge.rewards, "to_sample", conversion),
-        patched(bridge.service, "to_sample", conversion),
         patched(bridge.rewards, "settle", settle),
         patched(importlib.import_module(rm_module), rm_name, reward),  # what load_function(RM_PATH) finds
         sim_server(server) as url,

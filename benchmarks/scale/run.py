@@ -424,6 +424,10 @@ def main(argv: list[str] | None = None) -> int:
         "--policies", nargs="+", choices=POLICIES, default=["affinity", "consistent_hash", "round_robin"]
     )
     parser.add_argument("--no-saturation", action="store_true", help="skip the saturation run")
+    parser.add_argument(
+        "--shards", type=int, default=0,
+        help="also run the workload through this many rollout shards, Ray actors (benchmarks/scale/sharded.py)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("scale-report"))
     args = parser.parse_args(argv)
     size = SIZES[args.size]
@@ -442,6 +446,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"{size.in_flight} in flight cannot hold {size.target_groups} groups of {size.n_samples}")
     started = time.monotonic()
     report = anyio.run(lambda: run_benchmark(size, tuple(args.policies), saturation=not args.no_saturation))
+    if args.shards:
+        from benchmarks.scale.sharded import run_sharded
+
+        with sim_server(replace(size.server, servers=size.servers)) as url:
+            report["sharded"] = result = run_sharded(size, url, args.shards)
+        print(
+            f"{args.shards} shards: util {result['utilization']:.2f}  {result['turns_per_s']:.0f} turns/s  "
+            f"coordination {result['coordinator_cpu_ms_per_turn']:.3f} ms/turn, shards "
+            f"{result['shard_cpu_ms_per_turn']:.2f} ms/turn ({result['coordination_share']:.3f})"
+        )
     report["size"], report["total_seconds"] = args.size, time.monotonic() - started
     write_outputs(report, args.out)
     print(f"wrote {args.out}/report.json and report.md in {report['total_seconds']:.0f}s")
