@@ -7,7 +7,8 @@ shards' processes are theirs and this one's is the service's. Per run (report["s
 
   utilization, busy_fraction, ... the fleet's own figures, as in run.py
   trained_tokens_per_s          model tokens of the non-FAILED samples returned, over the run's wall time
-  turns_per_s                   turns of the returned samples over the wall time
+  turns_per_s                   generate requests the fleet answered (a turn each, or part of one continued after
+                                a pause) over the wall time: the work done, returned or not
   coordinator_cpu_ms_per_turn   this process's CPU (deciding, and receiving the samples) per turn
   shard_cpu_ms_per_turn         the shards' processes' CPU per turn, summed over shards
   coordination_share            the two over each other (target: at most 0.05)
@@ -73,7 +74,7 @@ def run_sharded(size: Size, url: str, shards: int) -> dict[str, Any]:
 
     service = ray_shards(settings_for(size, url, shards), SimpleNamespace(max_turns=size.max_turns, scale_size=size))
     statuses: dict[str, int] = {}
-    trained = turns = steps = updates = 0
+    trained = steps = updates = 0
     try:
         control.post("/stats/reset").raise_for_status()
         before = service.status()["shards"]
@@ -85,7 +86,6 @@ def run_sharded(size: Size, url: str, shards: int) -> dict[str, Any]:
             for sample in (s for group in out.samples for s in group):
                 status = str(sample.status.value)
                 statuses[status] = statuses.get(status, 0) + 1
-                turns += len(sample.metadata.get("turns") or ())
                 trained += 0 if status == "failed" else int(sum(sample.loss_mask or ()))
             if time.monotonic() - updated >= size.update_every_s:
                 updates += 1
@@ -104,6 +104,7 @@ def run_sharded(size: Size, url: str, shards: int) -> dict[str, Any]:
         ray.shutdown()
     shard_cpu = sum(a["cpu_seconds"] - b["cpu_seconds"] for a, b in zip(after, before, strict=True))
     fleet.pop("per_server", None)
+    turns = fleet["num_requests"]
     return {
         "shards": shards,
         "trained_tokens_per_s": trained / wall,
