@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from benchmarks.scale.run import SIZES, main
+from benchmarks.scale.run import main
+from benchmarks.scale.workload import SIZES
 
 KEYS = (
     "trained_tokens_per_s", "utilization", "cached_share_after_turn1", "cached_share_after_turn1_steady",

@@ -120,8 +120,8 @@ def test_the_scale_workload_runs_through_shards_over_the_simulated_fleet():
     from dataclasses import replace
 
     from benchmarks.longtail.simserver import sim_server
-    from benchmarks.scale.run import SIZES
     from benchmarks.scale.sharded import run_sharded
+    from benchmarks.scale.workload import SIZES
 
     size = replace(SIZES["smoke"], duration_s=4.0)
     with sim_server(replace(size.server, servers=size.servers)) as url:

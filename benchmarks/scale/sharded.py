@@ -25,11 +25,11 @@ import httpx2
 
 from benchmarks.longtail.simserver import REPO
 from benchmarks.longtail.workload import Workload
-from benchmarks.scale.run import ScaleEnv, Size, fleet_ceiling
+from benchmarks.scale.workload import ScaleEnv, Size, fleet_ceiling
 
 
 def build_env(sample: Any = None, args: Any = None, **_: Any) -> ScaleEnv:
-    """The env of the shards (the bridge's `build_env`): run.py's ScaleEnv, of the size in `args.scale_size`."""
+    """The env of the shards (the bridge's `build_env`): the workload's ScaleEnv, of the size in `args.scale_size`."""
     return ScaleEnv(args.scale_size, int(sample.metadata["prompt_id"]))
 
 
