@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterable
 from functools import partial
 from types import EllipsisType
 from typing import Any
@@ -77,26 +78,32 @@ class RayService:
         return lambda *args: self._call(method, *args)
 
     def rollout(self, rollout_id: int, target: int, groups: list[list[Any]]) -> Any:
-        self._held.update((_key(group), (rollout_id, group)) for group in groups)
+        self._hold((rollout_id, group) for group in groups)
         # a new actor has these queued by the restart
         out = self._call("rollout", rollout_id, target, groups, after_restart=(rollout_id, target, []))
-        for group in [*out.samples, *out.dropped]:
-            self._held.pop(_key(group), None)
-        return out
+        return self._returned(out)
 
     # a shard's step (bridge/shards.py); a shard that dies meanwhile begins it again, its held groups queued
     def queue(self, groups: list[tuple[int, list[Any]]]) -> None:
-        self._held.update((_key(group), (rollout_id, group)) for rollout_id, group in groups)
+        self._hold(groups)
         self._call("queue", groups, after_restart=([],))
 
     def begin(self, rollout_id: int, target: int, groups: list[list[Any]]) -> None:
-        self._held.update((_key(group), (rollout_id, group)) for group in groups)
+        self._hold((rollout_id, group) for group in groups)
         self._begun = (rollout_id, target)
         self._call("begin", rollout_id, target, groups, after_restart=None)  # the restart begins it
 
     def finish(self, take: int) -> Any:
         out = self._call("finish", take)
         self._begun = None
+        return self._returned(out)
+
+    def _hold(self, groups: Iterable[tuple[int, list[Any]]]) -> None:
+        """Keep these groups (each with the step that took it) until a step returns or drops them."""
+        self._held.update((_key(group), (rollout_id, group)) for rollout_id, group in groups)
+
+    def _returned(self, out: Any) -> Any:
+        """A step's output: its groups, returned or dropped, are no longer held."""
         for group in [*out.samples, *out.dropped]:
             self._held.pop(_key(group), None)
         return out

@@ -85,9 +85,12 @@ class _Step:
     started: float
     before: EngineStatistics
     groups: list[Group] = field(default_factory=list)
-    ran: anyio.Event = field(default_factory=anyio.Event)  # the engine's run of the current call ended
-    running: bool = False  # a run was started (and `ran` is its end)
+    ran: anyio.Event | None = None  # the end of the engine's run of the current call (None: none started)
     error: BaseException | None = None  # what that run raised
+
+    @property
+    def running(self) -> bool:
+        return self.ran is not None and not self.ran.is_set()
 
 
 @dataclass(frozen=True)
@@ -303,8 +306,8 @@ class RolloutService:
     async def _rollout(self, rollout_id: int, target: int, groups: list[list[Any]]) -> StepOutput:
         """One call of a step; a step may take several (dropped groups are replaced by new prompts), and
         its metrics cover every call of the same `rollout_id` so far."""
-        step = await self._begin(rollout_id, target, groups, open_ended=False)
-        await step.ran.wait()
+        ran = await self._begin(rollout_id, target, groups, open_ended=False)
+        await ran.wait()
         return await self._finish(target, part=False)
 
     # A shard's step (bridge/shards.py): begun, watched, and finished by the place that decides for all shards.
@@ -322,38 +325,40 @@ class RolloutService:
         step's summary; the other groups stay held for the next step."""
         return self._portal.call(self._finish, take, True)
 
-    async def _begin(self, rollout_id: int, target: int, groups: list[list[Any]], open_ended: bool) -> _Step:
+    async def _begin(self, rollout_id: int, target: int, groups: list[list[Any]], open_ended: bool) -> anyio.Event:
+        """Queue `groups` and start the engine's run of the step (one found running goes on); the run's end."""
         if self._step is None or self._step.rollout_id != rollout_id:
             self._step = _Step(rollout_id, time.monotonic(), self.engine.statistics())
         step = self._step
         await self._queue([(rollout_id, group) for group in groups])
-        if not step.ran.is_set() and step.running:  # begun already (by a restart, before this call): it runs
-            return step
-        step.ran, step.error, step.running = anyio.Event(), None, True
+        if step.ran is not None and step.running:  # begun already (by a restart, before this call)
+            return step.ran
+        ran = step.ran = anyio.Event()
+        step.error = None
         self.scoring.rollout_id = rollout_id
         if self.settings.weights_dir is not None:
             await self._load_new_weights(Path(self.settings.weights_dir))
-        self._tasks.start_soon(self._run_step, step, target, open_ended)
-        return step
+        self._tasks.start_soon(self._run_step, step, ran, target, open_ended)
+        return ran
 
-    async def _run_step(self, step: _Step, target: int, open_ended: bool) -> None:
+    async def _run_step(self, step: _Step, ran: anyio.Event, target: int, open_ended: bool) -> None:
         try:
             await self.engine.run_step(target, open_ended=open_ended)
         except Exception as exc:  # noqa: BLE001 -- raised where the step is finished, to its caller
             step.error = exc
         finally:
-            step.ran.set()
+            ran.set()
 
     async def _progress(self, seen: int, timeout_s: float) -> Progress:
         step = self._step
         with anyio.move_on_after(timeout_s):
-            while step is not None and self.engine.num_done <= seen and not step.ran.is_set():
+            while step is not None and step.running and self.engine.num_done <= seen:
                 await self.engine.changed()
-        return Progress(self.engine.num_done, step is not None and not step.ran.is_set())
+        return Progress(self.engine.num_done, step is not None and step.running)
 
     async def _finish(self, take: int, part: bool) -> StepOutput:
         step = self._step
-        if step is None:
+        if step is None or step.ran is None:
             raise RuntimeError("no step was begun on this service")
         self.engine.stop_step()
         await step.ran.wait()

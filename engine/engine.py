@@ -91,8 +91,8 @@ class StepFailedError(RuntimeError):
     @classmethod
     def check(cls, groups: Sequence[Group | GroupDigest], bound: float) -> None:
         """Raise where more than `bound` of the groups' trajectories FAILED (the groups of a step, or their
-        digests summed over shards)."""
-        trajectories = [t for g in groups for t in GroupDigest.of(g).trajectories]
+        digests summed over shards: both say each trajectory's status and last error)."""
+        trajectories = [t for g in groups for t in g.trajectories]
         failed = [t for t in trajectories if t.status is Status.FAILED]
         if not trajectories or len(failed) <= bound * len(trajectories):
             return

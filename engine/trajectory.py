@@ -258,6 +258,11 @@ class Trajectory:
         return sum(self.metadata.get("retries", {}).values())
 
     @property
+    def last_error(self) -> tuple[str, str] | None:
+        """(error class, message) of its last error, if it had one."""
+        return (str(self.errors[-1].error_class), self.errors[-1].message) if self.errors else None
+
+    @property
     def current_turn(self) -> int | None:
         """The index of the turn in progress, or of the last one once the turns are over; None before the first."""
         return self.turns[-1].index if self.turns else None

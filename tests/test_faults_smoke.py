@@ -36,20 +36,22 @@ def suite(tmp_path_factory):
     return json.loads((out / "report.json").read_text()), out
 
 
+def ray_case(tmp_path_factory, name: str) -> dict:
+    """One of the Ray cases, run alone: its entry."""
+    pytest.importorskip("ray", reason="Ray is part of the dev extra; install it with `pip install -e .[dev]`")
+    out = tmp_path_factory.mktemp(name)
+    assert main(["--out", str(out), "--size", SIZE, "--faults", name]) == 0
+    return entry_of(json.loads((out / "report.json").read_text()), name)
+
+
 @pytest.fixture(scope="module")
 def ray_suite(tmp_path_factory):
-    pytest.importorskip("ray", reason="Ray is part of the dev extra; install it with `pip install -e .[dev]`")
-    out = tmp_path_factory.mktemp("faults-ray")
-    assert main(["--out", str(out), "--size", SIZE, "--faults", "ray_actor_restart"]) == 0
-    return entry_of(json.loads((out / "report.json").read_text()), "ray_actor_restart")
+    return ray_case(tmp_path_factory, "ray_actor_restart")
 
 
 @pytest.fixture(scope="module")
 def shard_suite(tmp_path_factory):
-    pytest.importorskip("ray", reason="Ray is part of the dev extra; install it with `pip install -e .[dev]`")
-    out = tmp_path_factory.mktemp("faults-shards")
-    assert main(["--out", str(out), "--size", SIZE, "--faults", "ray_shard_killed"]) == 0
-    return entry_of(json.loads((out / "report.json").read_text()), "ray_shard_killed")
+    return ray_case(tmp_path_factory, "ray_shard_killed")
 
 
 def entry_of(report: dict, name: str) -> dict:

@@ -99,6 +99,13 @@ def test_each_shard_has_its_own_ports_and_a_shard_label():
         BridgeSettings(metrics_labels={"not a label": "x"})
 
 
+def test_turnstile_serve_refuses_a_shard_count_under_one_before_starting_anything(capsys):
+    from engine.cli import main
+
+    assert main(["serve", "--shards", "0"]) == 2
+    assert "shards: Input should be greater than 0 (given 0)" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_the_shard_benchmark_runs_each_count_on_processes_of_its_own(tmp_path):
     pytest.importorskip("ray", reason="Ray is part of the dev extra; install it with `pip install -e .[dev]`")

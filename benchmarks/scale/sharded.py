@@ -25,6 +25,7 @@ import httpx2
 
 from benchmarks.longtail.simserver import REPO
 from benchmarks.longtail.workload import Workload
+from benchmarks.scale.shards import cpu_per_turn
 from benchmarks.scale.workload import ScaleEnv, Size, fleet_ceiling
 
 
@@ -102,7 +103,6 @@ def run_sharded(size: Size, url: str, shards: int) -> dict[str, Any]:
         service.shutdown()
         control.close()
         ray.shutdown()
-    shard_cpu = sum(a["cpu_seconds"] - b["cpu_seconds"] for a, b in zip(after, before, strict=True))
     fleet.pop("per_server", None)
     turns = fleet["num_requests"]
     return {
@@ -113,9 +113,7 @@ def run_sharded(size: Size, url: str, shards: int) -> dict[str, Any]:
         "mean_batch_size": fleet["mean_batch_size"],
         "share_of_ceiling": fleet["generated_tokens"] / wall / fleet_ceiling(size),
         "turns_per_s": turns / wall,
-        "coordinator_cpu_ms_per_turn": 1000 * cpu / turns if turns else 0.0,
-        "shard_cpu_ms_per_turn": 1000 * shard_cpu / turns if turns else 0.0,
-        "coordination_share": cpu / shard_cpu if shard_cpu else 0.0,
+        **cpu_per_turn(cpu, before, after, turns),
         "wall_seconds": wall,
         "steps": steps,
         "num_weight_updates": updates,

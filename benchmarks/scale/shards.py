@@ -49,6 +49,17 @@ def process_cpu_seconds(process: psutil.Process) -> float:
     return times.user + times.system
 
 
+def cpu_per_turn(coordinator_cpu_s: float, before: list[dict], after: list[dict], turns: int) -> dict[str, float]:
+    """The deciding process's and the shards' CPU per turn (the shards' `status()` before and after the run, which
+    say their process's CPU seconds), and the first over the second."""
+    shard_cpu_s = sum(a["cpu_seconds"] - b["cpu_seconds"] for a, b in zip(after, before, strict=True))
+    return {
+        "coordinator_cpu_ms_per_turn": 1000 * coordinator_cpu_s / turns if turns else 0.0,
+        "shard_cpu_ms_per_turn": 1000 * shard_cpu_s / turns if turns else 0.0,
+        "coordination_share": coordinator_cpu_s / shard_cpu_s if shard_cpu_s else 0.0,
+    }
+
+
 def settings(url: str, *, shards: int, target_groups: int, n_samples: int, turns: int) -> BridgeSettings:
     return BridgeSettings(
         url=url, env_path="benchmarks.micro.bridge_overhead", max_turns=turns, n_samples_per_prompt=n_samples,
@@ -85,15 +96,12 @@ def run(
         after = service.status()["shards"]
     finally:
         service.shutdown()
-    shard_cpu = sum(a["cpu_seconds"] - b["cpu_seconds"] for a, b in zip(after, before, strict=True))
     return {
         "shards": shards,
         "turns": turns_done,
         "wall_s": wall,
         "turns_per_s": turns_done / wall,
-        "coordinator_cpu_ms_per_turn": 1000 * cpu / turns_done,
-        "shard_cpu_ms_per_turn": 1000 * shard_cpu / turns_done,
-        "coordination_share": cpu / shard_cpu,
+        **cpu_per_turn(cpu, before, after, turns_done),
         "fleet_cpu_ms_per_turn": 1000 * sim_cpu / turns_done,
         "pids": sorted({a["pid"] for a in after}),
     }

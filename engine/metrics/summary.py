@@ -58,7 +58,6 @@ class TrajectoryDigest:
     @classmethod
     def of(cls, t: Trajectory) -> TrajectoryDigest:
         later = t.turns[1:]  # a later turn re-sends the whole conversation
-        last = t.errors[-1] if t.errors else None
         return cls(
             response_length=t.response_length,
             effective_tokens=sum(t.loss_mask),
@@ -72,7 +71,7 @@ class TrajectoryDigest:
             later_prompt_tokens=sum(turn.prompt_tokens for turn in later),
             later_cached_tokens=sum(turn.cached_tokens for turn in later),
             spans=tuple((span.weight_version, span.length) for span in t.spans),
-            last_error=(str(last.error_class), last.message) if last is not None else None,
+            last_error=t.last_error,
         )
 
 
