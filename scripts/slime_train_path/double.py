@@ -51,12 +51,13 @@ class Geo3kServer(SGLangDouble):
 
     def generate_reply(self, spec: Generate, request: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         try:
-            return super().generate_reply(self._reply(request), request)
+            return super().generate_reply(self._scripted(request), request)
         except Exception as exc:  # an answer the bridge can see, and a note for the report
             self.errors.append(f"{type(exc).__name__}: {exc}")
             return 500, error_body(500, f"scripted geo3k server: {exc!r}")
 
-    def _reply(self, request: dict[str, Any]) -> Generate:
+    def _scripted(self, request: dict[str, Any]) -> Generate:
+        """The scripted answer to one request: a tool call with the plan's answer first, then the boxed answer."""
         ids = list(request.get("input_ids") or [])
         text = self.tokenizer.decode(ids, skip_special_tokens=False) if ids else str(request.get("text") or "")
         match = PROBLEM_RE.search(text)
